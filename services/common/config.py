@@ -1,0 +1,172 @@
+"""Deployment profile: typed, validated configuration loaded from one YAML file per profile.
+
+Torch-free, so the gateway can load it too. YAML is read only by `load_profile`, called from each
+service's `main()`; everything below receives the dataclasses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+PRESETS = ("tiny", "full")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str
+    """Model dims: `tiny` (CPU tests and demo) or `full` (the real MiniMax-H3 / TaoMate-H3 dims)."""
+    dir: str
+    """Root of the checkpoint tree (MiniMax-H3 layout plus `TaoMate-H3/` for the LoRA)."""
+    write_if_missing: bool = False
+    """Write a random-weight checkpoint of `preset` into `dir` on first start (tiny demo only)."""
+    random_weights_on_device: bool = False
+    """Build the `full` model with random weights on the device, no files (GPU benchmarks)."""
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r}: use one of {PRESETS}")
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    encoder: str = "127.0.0.1:50051"
+    """host:port of the encoder gRPC server."""
+    dit: str = "127.0.0.1:50052"
+    """host:port of the DiT gRPC server (rank 0)."""
+    vae: str = "127.0.0.1:50053"
+    """host:port of the VAE gRPC server."""
+
+    def port_of(self, name: str) -> int:
+        """The port part of one endpoint."""
+        return int(getattr(self, name).rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    device: str = "cpu"
+    """torch device of the text encoder."""
+    dtype: str = "float32"
+    """Compute dtype: float32 or bfloat16."""
+    max_tokens: int = 512
+    """Longest prompt in tokens; longer prompts are rejected."""
+    cuda_graphs: bool = False
+    """Capture the encoder forward per padded prompt-length bucket at start-up (GPU only)."""
+    metrics_port: int = 9101
+    """Port of the Prometheus /metrics endpoint (0 disables it)."""
+
+    def __post_init__(self):
+        _check_dtype("encoder.dtype", self.dtype)
+        if self.max_tokens < 1:
+            raise ValueError(f"encoder.max_tokens={self.max_tokens}: must be ≥ 1")
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    devices: tuple[str, ...] = ("cpu",)
+    """One torch device per Ulysses rank; its length is the USP degree (1, 2 or 4)."""
+    dtype: str = "float32"
+    """Compute dtype of the DiT and its KV cache."""
+    canvases: tuple[tuple[int, int], ...] = ((192, 320),)
+    """Allowed (height, width) canvases; a session asking for another is rejected."""
+    fp8: bool = False
+    """FP8 per-channel weights and per-token activations on the DiT linears (H100/H200 only)."""
+    cuda_graphs: bool = False
+    """Capture the phase forwards and the audio teacher at start-up (GPU only)."""
+    adaln_cache: bool = False
+    """Precompute the AdaLN modulations of the fixed runtime timesteps and drop the AdaLN weights."""
+    audio_reset_requests: int = 12
+    """Drop the audio KV history every this many requests."""
+    hold_poll_seconds: float = 0.02
+    """How often a held session looks for a newer prompt or a cancel."""
+    metrics_port: int = 9102
+    """Port of the Prometheus /metrics endpoint (0 disables it)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "canvases", tuple(tuple(c) for c in self.canvases))
+        _check_dtype("dit.dtype", self.dtype)
+        if len(self.devices) not in (1, 2, 4):
+            raise ValueError(f"dit.devices={list(self.devices)}: the USP degree must be 1, 2 or 4")
+        if not self.canvases:
+            raise ValueError("dit.canvases is empty: list at least one (height, width)")
+        for h, w in self.canvases:
+            if h % 32 or w % 32 or h <= 0 or w <= 0:
+                raise ValueError(f"dit.canvases entry {h}x{w}: sides must be positive multiples of 32")
+
+    @property
+    def usp_degree(self) -> int:
+        return len(self.devices)
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    device: str = "cpu"
+    """torch device of the video and audio decoders."""
+    dtype: str = "float32"
+    """Compute dtype of the decoders."""
+    x264_preset: str = "ultrafast"
+    """libx264 preset of the muxer."""
+    metrics_port: int = 9103
+    """Port of the Prometheus /metrics endpoint (0 disables it)."""
+
+    def __post_init__(self):
+        _check_dtype("vae.dtype", self.dtype)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    model: ModelConfig
+    endpoints: Endpoints = field(default_factory=Endpoints)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    dit: DiTConfig = field(default_factory=DiTConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    gateway: dict[str, Any] = field(default_factory=dict)
+    """Raw gateway section; the gateway turns it into its own GatewayConfig."""
+    path: str = ""
+    """The YAML file this profile came from."""
+
+
+def _check_dtype(name: str, value: str) -> None:
+    if value not in DTYPES:
+        raise ValueError(f"{name}={value!r}: use one of {DTYPES}")
+
+
+def _section(cls, raw: dict[str, Any] | None, name: str):
+    raw = dict(raw or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"profile section {name!r}: unknown keys {unknown}; known keys are {sorted(known)}")
+    return cls(**raw)
+
+
+def load_profile(path: str | pathlib.Path, overrides: dict[str, dict[str, Any]] | None = None) -> Profile:
+    """Read one profile YAML (plus per-section overrides from flags) into a validated Profile."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"profile {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update(values)
+    unknown = sorted(set(raw) - {"profile", "model", "endpoints", "encoder", "dit", "vae", "gateway"})
+    if unknown:
+        raise ValueError(f"profile {path}: unknown sections {unknown}")
+    model = _section(ModelConfig, raw.get("model"), "model")
+    if not pathlib.Path(model.dir).is_absolute():
+        model = dataclasses.replace(model, dir=str((path.parent.parent / model.dir).resolve()))
+    return Profile(
+        name=raw.get("profile", path.stem),
+        model=model,
+        endpoints=_section(Endpoints, raw.get("endpoints"), "endpoints"),
+        encoder=_section(EncoderConfig, raw.get("encoder"), "encoder"),
+        dit=_section(DiTConfig, raw.get("dit"), "dit"),
+        vae=_section(VAEConfig, raw.get("vae"), "vae"),
+        gateway=dict(raw.get("gateway") or {}),
+        path=str(path.resolve()),
+    )

@@ -1,0 +1,98 @@
+"""Lifecycle of one stage's grpc.aio server: load, warm up, serve with health and reflection, stop on SIGTERM.
+
+Knows nothing about what the stage computes: the stage hands in a `Stage` with start/warmup/close and a
+function that registers its servicer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+import prometheus_client
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 << 20
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+class Stage(ABC):
+    """What a stage service must provide to be served."""
+
+    health_name: str
+    """Fully qualified gRPC service name, used for readiness health and reflection."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Load weights (blocking; runs in a worker thread)."""
+
+    @abstractmethod
+    def warmup(self) -> None:
+        """Run every shape once / capture graphs so the first request is warm (blocking)."""
+
+    @abstractmethod
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the stage's servicer on the server."""
+
+    def close(self) -> None:
+        """Release devices and files."""
+
+
+async def serve(stage: Stage, port: int, metrics_port: int = 0, host: str = "0.0.0.0",
+                ready: Callable[[], None] | None = None) -> None:
+    """Serve a stage until SIGTERM/SIGINT: liveness at once, readiness after start() and warmup()."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    stage.add_to_server(server)
+    names = (stage.health_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {host}:{port}")
+    if metrics_port:
+        prometheus_client.start_http_server(metrics_port)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(stage.health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("%s listening on %s:%d, loading", stage.health_name, host, bound)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.to_thread(stage.start)
+        await asyncio.to_thread(stage.warmup)
+        await health_servicer.set(stage.health_name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s serving", stage.health_name)
+        if ready is not None:
+            ready()
+        await stop.wait()
+    finally:
+        log.info("%s shutting down", stage.health_name)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(SHUTDOWN_GRACE_SECONDS)
+        stage.close()

@@ -1,0 +1,32 @@
+"""Profiles load into validated dataclasses, and bad values are named."""
+import pathlib
+
+import pytest
+
+from services.common.config import DiTConfig, ModelConfig, load_profile
+
+pytestmark = pytest.mark.cpu
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "usp2_fp8", "usp4_bf16"])
+def test_shipped_profiles_load(name):
+    profile = load_profile(ROOT / "configs" / f"{name}.yaml")
+    assert profile.name == name
+    assert profile.dit.usp_degree == {"tiny_cpu": 1, "usp2_fp8": 2, "usp4_bf16": 4}[name]
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("model: {preset: tiny, dir: x}\ndit: {devcies: [cpu]}\n")
+    with pytest.raises(ValueError, match="unknown keys \\['devcies'\\]"):
+        load_profile(p)
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="model.preset='huge'"):
+        ModelConfig(preset="huge", dir="x")
+    with pytest.raises(ValueError, match="USP degree must be 1, 2 or 4"):
+        DiTConfig(devices=("cuda:0", "cuda:1", "cuda:2"))
+    with pytest.raises(ValueError, match="200x320"):
+        DiTConfig(canvases=((200, 320),))

@@ -1,0 +1,48 @@
+"""Host-bytes tensor transport: round trips, 1 MiB parts, and malformed streams."""
+import pytest
+import torch
+
+from services.common.transport import MAX_PART_BYTES, TensorAssembler, TransportError, tensor_to_parts
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.int64, torch.float16])
+def test_round_trip_is_bitwise(dtype):
+    t = (torch.randn(3, 700, 129) * 50).to(dtype)
+    asm = TensorAssembler("x")
+    parts = tensor_to_parts(t)
+    out = [asm.add(p) for p in parts]
+    assert all(o is None for o in out[:-1])
+    assert out[-1].dtype == dtype and out[-1].shape == t.shape
+    assert torch.equal(out[-1].view(torch.uint8), t.contiguous().view(torch.uint8))
+
+
+def test_parts_are_at_most_one_mib():
+    t = torch.randn(3 * MAX_PART_BYTES // 4 + 5)  # a little over 3 MiB
+    parts = tensor_to_parts(t)
+    assert len(parts) == 4
+    assert all(len(p.host.data) <= MAX_PART_BYTES for p in parts)
+
+
+def test_empty_tensor_travels():
+    out = TensorAssembler("e").add(tensor_to_parts(torch.empty(0, 5))[0])
+    assert out.shape == (0, 5)
+
+
+def test_out_of_order_part_is_rejected():
+    parts = tensor_to_parts(torch.randn(MAX_PART_BYTES // 2))
+    with pytest.raises(TransportError, match="part 1 of 2 arrived after 0"):
+        TensorAssembler("video").add(parts[1])
+
+
+def test_wrong_byte_count_is_rejected():
+    part = tensor_to_parts(torch.randn(10))[0]
+    part.host.data = part.host.data[:-4]
+    with pytest.raises(TransportError, match="36 bytes for shape \\[10\\]"):
+        TensorAssembler("audio").add(part)
+
+
+def test_unsupported_dtype_is_named():
+    with pytest.raises(TransportError, match="complex64"):
+        tensor_to_parts(torch.zeros(2, dtype=torch.complex64))
