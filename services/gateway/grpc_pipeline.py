@@ -1,0 +1,236 @@
+"""The gateway's backend over gRPC: encoder → DiT → VAE, orchestrated per session.
+
+Tensors cross this module as opaque `TensorPart` messages: they are read from one stage's stream and
+written to the next unchanged, so the gateway never imports torch. Knows nothing about websockets.
+
+Per session:
+- `Encode` turns the first prompt (and the hold fallback prompt, if any) into embedding parts;
+- one `DiT.Stream` call receives the start, the prompts and later prompt updates and sends back, per phase,
+  a meta record, the video and audio latent parts and a phase end;
+- one `VAE.Decode` call receives those latents phase by phase and returns one fMP4 chunk per phase.
+A pump task forwards DiT output to the VAE while `chunks()` reads the VAE, so the DiT works on phase k+1
+while the VAE decodes phase k.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.gateway.pipeline import (
+    BackendUnavailable,
+    InvalidRequest,
+    MediaChunk,
+    Pipeline,
+    PipelineError,
+    PipelineSession,
+    SessionRequest,
+    StageTimings,
+)
+from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
+from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+AUDIO_SAMPLE_RATE = 32000
+HEALTH_NAMES = {
+    "encoder": "vitascope.encoder.v1.Encoder",
+    "dit": "vitascope.dit.v1.DiT",
+    "vae": "vitascope.vae.v1.VAE",
+}
+
+
+def pipeline_error(stage: str, exc: grpc.RpcError) -> PipelineError:
+    """Map a stage's gRPC status to the gateway's error kinds (the one mapping point)."""
+    code, detail = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(f"{stage}: {detail}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return PipelineError(f"{stage}: {detail}", code="backend_busy")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return BackendUnavailable(f"{stage} unavailable: {detail}")
+    return PipelineError(f"{stage} failed ({code.name}): {detail}")
+
+
+class GrpcPipeline(Pipeline):
+    """Connects to the three stage services; one channel per stage, shared by all sessions."""
+
+    def __init__(self, encoder_addr: str, dit_addr: str, vae_addr: str):
+        self._channels = {
+            name: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            for name, addr in (("encoder", encoder_addr), ("dit", dit_addr), ("vae", vae_addr))
+        }
+        self.encoder = encoder_pb2_grpc.EncoderStub(self._channels["encoder"])
+        self.dit = dit_pb2_grpc.DiTStub(self._channels["dit"])
+        self.vae = vae_pb2_grpc.VAEStub(self._channels["vae"])
+
+    async def health(self) -> bool:
+        """True when every stage reports its named service SERVING."""
+        for name, channel in self._channels.items():
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=HEALTH_NAMES[name]), timeout=2)
+            except grpc.RpcError:
+                return False
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+        return True
+
+    async def encode(self, session_id: str, prompt: str) -> tuple[list, float]:
+        """Embedding parts of one prompt and the seconds the encoder took."""
+        parts, seconds = [], 0.0
+        try:
+            async for reply in self.encoder.Encode(encoder_pb2.EncodeRequest(session_id=session_id, prompt=prompt)):
+                parts.append(reply.embedding)
+                seconds = reply.encode_seconds or seconds
+        except grpc.RpcError as exc:
+            raise pipeline_error("encoder", exc) from None
+        return parts, seconds
+
+    async def start(self, request: SessionRequest) -> PipelineSession:
+        """Encode the first prompt, open the DiT and VAE streams, and wait for the DiT to accept."""
+        parts, text_seconds = await self.encode(request.request_id, request.prompt)
+        fallback = None
+        if request.hold.enabled and request.hold.fallback_prompt:
+            fallback, _ = await self.encode(request.request_id, request.hold.fallback_prompt)
+        session = GrpcSession(self, request, text_seconds)
+        await session.open(parts, fallback)
+        return session
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for channel in self._channels.values():
+            await channel.close()
+
+
+class GrpcSession(PipelineSession):
+    """One session's DiT and VAE calls and the pump between them."""
+
+    def __init__(self, pipeline: GrpcPipeline, request: SessionRequest, text_seconds: float):
+        self.pipeline = pipeline
+        self.request = request
+        self._text_seconds = collections.deque([text_seconds])
+        self._metas: collections.deque = collections.deque()
+        self._dit_call = None
+        self._vae_call = None
+        self._pump: asyncio.Task | None = None
+        self._dit_lock = asyncio.Lock()
+        self._cancelled = False
+
+    async def open(self, parts: list, fallback: list | None) -> None:
+        """Send start and prompts to the DiT and wait for its `started` reply; open the VAE stream."""
+        req = self.request
+        hold = dit_pb2.Hold(enabled=req.hold.enabled, max_seconds=req.hold.max_seconds,
+                            has_fallback_prompt=fallback is not None)
+        self._dit_call = self.pipeline.dit.Stream()
+        try:
+            await self._dit_call.write(dit_pb2.StreamRequest(start=dit_pb2.SessionStart(
+                session_id=req.request_id, seed=req.seed, width=req.width, height=req.height, hold=hold)))
+            await self._write_prompt("", parts, dit_pb2.PROMPT_ROLE_ACTIVE)
+            if fallback is not None:
+                await self._write_prompt("", fallback, dit_pb2.PROMPT_ROLE_FALLBACK)
+            first = await self._dit_call.read()
+        except grpc.RpcError as exc:
+            await self.cancel()
+            raise pipeline_error("dit", exc) from None
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "started":
+            await self.cancel()
+            raise PipelineError("dit: stream closed before the session started")
+        self._vae_call = self.pipeline.vae.Decode()
+        try:
+            await self._vae_call.write(vae_pb2.DecodeRequest(start=vae_pb2.DecodeStart(
+                session_id=req.request_id, width=req.width, height=req.height, fps=req.fps,
+                sample_rate=AUDIO_SAMPLE_RATE)))
+        except grpc.RpcError as exc:
+            await self.cancel()
+            raise pipeline_error("vae", exc) from None
+        self._pump = asyncio.create_task(self._pump_dit_to_vae(), name=f"pump-{req.request_id}")
+
+    async def _write_prompt(self, event_id: str, parts: list, role: int) -> None:
+        async with self._dit_lock:
+            for part in parts:
+                await self._dit_call.write(dit_pb2.StreamRequest(
+                    prompt=dit_pb2.PromptPart(event_id=event_id, role=role, embedding=part)))
+
+    async def _pump_dit_to_vae(self) -> None:
+        """Forward each phase's latents from the DiT stream to the VAE stream."""
+        try:
+            async for reply in self._dit_call:
+                kind = reply.WhichOneof("kind")
+                if kind == "meta":
+                    self._metas.append(reply.meta)
+                elif kind == "video":
+                    await self._vae_call.write(vae_pb2.DecodeRequest(video=reply.video))
+                elif kind == "audio":
+                    await self._vae_call.write(vae_pb2.DecodeRequest(audio=reply.audio))
+                elif kind == "phase_end":
+                    meta = self._metas[-1]
+                    await self._vae_call.write(vae_pb2.DecodeRequest(phase_end=vae_pb2.PhaseEnd(
+                        request_index=meta.request_index, phase_index=meta.phase_index, trace=meta.trace)))
+        finally:
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+                await self._vae_call.done_writing()
+
+    async def chunks(self) -> AsyncIterator[MediaChunk]:
+        """Yield one MediaChunk per phase, in order, until the session ends or is cancelled."""
+        data = bytearray()
+        try:
+            async for reply in self._vae_call:
+                data += reply.data
+                if not reply.last:
+                    continue
+                meta = self._metas.popleft()
+                text_seconds = self._text_seconds.popleft() if meta.first_of_request and self._text_seconds else 0.0
+                dit_seconds = sum(meta.stage_seconds.values())
+                yield MediaChunk(
+                    data=bytes(data), request_index=meta.request_index, phase_index=meta.phase_index,
+                    num_frames=reply.num_frames, num_audio_samples=reply.num_audio_samples,
+                    audio_sample_rate=meta.audio_sample_rate or AUDIO_SAMPLE_RATE,
+                    started_event_ids=tuple(meta.started_event_ids),
+                    active_event_ids=tuple(meta.active_event_ids),
+                    completed_event_ids=tuple(meta.completed_event_ids),
+                    timings=StageTimings(text=text_seconds, dit=dit_seconds,
+                                         vae=reply.video_decode_seconds + reply.audio_decode_seconds,
+                                         mux=reply.mux_seconds))
+                data = bytearray()
+        except grpc.RpcError as exc:
+            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise pipeline_error("vae", exc) from None
+        if self._pump is not None and self._pump.done() and not self._cancelled:
+            exc = self._pump.exception()
+            if isinstance(exc, grpc.RpcError):
+                raise pipeline_error("dit", exc)
+            if exc is not None:
+                raise PipelineError(f"dit → vae forwarding failed: {exc}")
+
+    async def update_prompt(self, event_id: str, prompt: str) -> None:
+        """Encode the new prompt and send it to the DiT, which installs it at the next request."""
+        if self._cancelled:
+            raise InvalidRequest("the session has ended")
+        started = time.perf_counter()
+        parts, _ = await self.pipeline.encode(self.request.request_id, prompt)
+        self._text_seconds.append(time.perf_counter() - started)
+        try:
+            await self._write_prompt(event_id, parts, dit_pb2.PROMPT_ROLE_ACTIVE)
+        except grpc.RpcError as exc:
+            raise pipeline_error("dit", exc) from None
+
+    async def cancel(self) -> None:
+        """Cancel both calls; the stages release the session's KV cache and muxer."""
+        self._cancelled = True
+        for call in (self._dit_call, self._vae_call):
+            if call is not None:
+                call.cancel()
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await self._pump
