@@ -71,8 +71,8 @@ class DiTConfig:
     """One torch device per Ulysses rank; its length is the USP degree (1, 2 or 4)."""
     dtype: str = "float32"
     """Compute dtype of the DiT and its KV cache."""
-    canvases: tuple[tuple[int, int], ...] = ((192, 320),)
-    """Allowed (height, width) canvases; a session asking for another is rejected."""
+    canvas_short_edges: tuple[int, ...] = (192, 256)
+    """Allowed canvas short edges in pixels (both sides must be multiples of 32); others are rejected."""
     fp8: bool = False
     """FP8 per-channel weights and per-token activations on the DiT linears (H100/H200 only)."""
     cuda_graphs: bool = False
@@ -88,15 +88,15 @@ class DiTConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))
-        object.__setattr__(self, "canvases", tuple(tuple(c) for c in self.canvases))
+        object.__setattr__(self, "canvas_short_edges", tuple(self.canvas_short_edges))
         _check_dtype("dit.dtype", self.dtype)
         if len(self.devices) not in (1, 2, 4):
             raise ValueError(f"dit.devices={list(self.devices)}: the USP degree must be 1, 2 or 4")
-        if not self.canvases:
-            raise ValueError("dit.canvases is empty: list at least one (height, width)")
-        for h, w in self.canvases:
-            if h % 32 or w % 32 or h <= 0 or w <= 0:
-                raise ValueError(f"dit.canvases entry {h}x{w}: sides must be positive multiples of 32")
+        if not self.canvas_short_edges:
+            raise ValueError("dit.canvas_short_edges is empty: list at least one")
+        for edge in self.canvas_short_edges:
+            if edge <= 0 or edge % 32:
+                raise ValueError(f"dit.canvas_short_edges entry {edge}: must be a positive multiple of 32")
 
     @property
     def usp_degree(self) -> int:

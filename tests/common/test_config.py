@@ -28,5 +28,5 @@ def test_bad_values_are_named():
         ModelConfig(preset="huge", dir="x")
     with pytest.raises(ValueError, match="USP degree must be 1, 2 or 4"):
         DiTConfig(devices=("cuda:0", "cuda:1", "cuda:2"))
-    with pytest.raises(ValueError, match="200x320"):
-        DiTConfig(canvases=((200, 320),))
+    with pytest.raises(ValueError, match="entry 200"):
+        DiTConfig(canvas_short_edges=(200,))

@@ -1,0 +1,1 @@
+"""DiT service package: MiniMax-H3 model, packed layouts, checkpoints and the streaming runtime."""

@@ -1,0 +1,431 @@
+"""MiniMax-H3 DiT ("H3-Omni-Transformer"): one packed single-stream transformer over text, audio and video rows.
+
+Module names follow the ORIGINAL checkpoint keys (`blocks.N.attn.qkv_proj`, `mlp.fc1`, `final_layer.video_out`, ...),
+with `qkv_proj` rows in [Q; K; V] order. Knows nothing about checkpoints on disk, LoRA scales, ranks or KV caches:
+attention is a callable handed to `forward` (`AttentionPattern`), sequence parallelism is the `sequence_shard`
+object installed from outside, LoRA wraps the plain `nn.Linear`s from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.dit.adaln_cache import AdaLNCacheReport, install_adaln_cache
+from services.dit.layout import NUM_MODALITIES, PackedLayout
+
+# Parameters the shipped checkpoint keeps in float32 (prefixes of the original key names).
+FP32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
+                 "final_layer.audio_out.", "rope.")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Architecture hyper-parameters; `PRESETS["full"]` equals the shipped `FL2VA/transformer/config.json`."""
+
+    hidden_size: int = 5376
+    """Residual stream width."""
+    num_layers: int = 50
+    """DiT blocks."""
+    refiner_layers: int = 2
+    """Token-refiner blocks applied to the projected text rows."""
+    num_heads: int = 56
+    """Attention heads (inner dim num_heads * head_dim is not hidden_size)."""
+    head_dim: int = 128
+    """Channels per head."""
+    ffn_hidden: int = 14336
+    """SwiGLU inner width; fc1 outputs [gate | up] = 2 * ffn_hidden."""
+    video_channels: int = 24
+    """Video latent channels."""
+    audio_channels: int = 32
+    """Audio latent channels (one row per latent per channel)."""
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """(t, h, w) patch of video latents; a video row holds video_channels * prod(patch_size) values."""
+    text_dim: int = 5120
+    """Text-encoder hidden size."""
+    timestep_dim: int = 256
+    """Sinusoidal timestep embedding width."""
+    time_embed_hidden: int = 5376
+    """Timestep MLP inner width."""
+    time_embed_dim: int = 2688
+    """Timestep MLP output width (input of every AdaLN projection)."""
+    rope_freqs: int = 16
+    """RoPE frequencies per axis; 2 * 3 * rope_freqs head channels rotate."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    norm_eps: float = 1e-5
+    """Epsilon of the block pre-norms."""
+    qk_norm_eps: float = 1e-5
+    """Epsilon of the per-head QK norms."""
+    final_norm_eps: float = 1e-5
+    """Epsilon of the refiner output norm and the final-layer norm."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "patch_size":
+                if len(v) != 3 or any(not isinstance(p, int) or p < 1 for p in v):
+                    raise ValueError(f"patch_size={v!r} must be three positive ints (t, h, w)")
+            elif isinstance(v, float):
+                if not v > 0:
+                    raise ValueError(f"{f.name}={v} must be > 0")
+            elif not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f.name}={v!r} must be a positive int")
+        if self.rope_dims > self.head_dim:
+            raise ValueError(f"rope_freqs={self.rope_freqs} rotates {self.rope_dims} channels but head_dim="
+                             f"{self.head_dim}; need 6 * rope_freqs <= head_dim")
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def video_row_dim(self) -> int:
+        return self.video_channels * math.prod(self.patch_size)
+
+    @property
+    def rope_dims(self) -> int:
+        return 6 * self.rope_freqs
+
+    @property
+    def adaln_out(self) -> int:
+        return 6 * self.hidden_size * NUM_MODALITIES
+
+    @property
+    def final_adaln_out(self) -> int:
+        return 2 * self.hidden_size
+
+
+PRESETS: dict[str, ModelArgs] = {
+    "full": ModelArgs(),
+    "tiny": ModelArgs(hidden_size=96, num_layers=2, refiner_layers=2, num_heads=4, head_dim=32, ffn_hidden=192,
+                      text_dim=64, time_embed_hidden=96, time_embed_dim=48, rope_freqs=4),
+}
+
+
+class AttentionPattern(Protocol):
+    """Attention over packed rows: q/k/v `[S, H_local, D]` after QK-norm and RoPE, global row order."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class SequenceShard(Protocol):
+    """Splits the packed sequence across ranks before the blocks and gathers it before the heads (dim 0)."""
+
+    def split(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class NoShard:
+    """Identity `SequenceShard` (single device)."""
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention of q rows over k/v rows."""
+    # q: [Sq, H, D], k/v: [Sk, H, D] -> [Sq, H, D]
+    # 4-D [1, H, S, D] views (last dim contiguous) so the flash / memory-efficient kernels apply
+    out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2))
+    return out.transpose(1, 2)[0]
+
+
+class FullAttention:
+    """Base pattern: the real rows form one document, the pad rows another (block-diagonal by slicing)."""
+
+    def __init__(self, layout: PackedLayout):
+        self.num_real = layout.num_real
+        self.seq_len = layout.seq_len
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [S, H, D]
+        if q.shape[0] != self.seq_len:
+            raise ValueError(f"FullAttention built for {self.seq_len} rows got q with {q.shape[0]} rows")
+        n = self.num_real
+        if n == self.seq_len:
+            return sdpa_rows(q, k, v)
+        return torch.cat([sdpa_rows(q[:n], k[:n], v[:n]), sdpa_rows(q[n:], k[n:], v[n:])], dim=0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., C]; statistics in float32, result in x's dtype
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class Rope(nn.Module):
+    """3-axis RoPE: one `inv_freq` shared by t/h/w; channels [t h w t h w] x rope_freqs rotate (rotate-half)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        n = args.rope_freqs
+        self.register_buffer("inv_freq", rope_inv_freq(n, args.rope_theta), persistent=True)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [S, 3] -> cos, sin: [S, 6 * rope_freqs] float32
+        ang = positions.float()[:, :, None] * self.inv_freq.float()[None, None, :]  # [S, 3, F]
+        ang = ang.flatten(1)
+        ang = torch.cat([ang, ang], dim=-1)
+        return ang.cos(), ang.sin()
+
+
+def rope_inv_freq(n: int, theta: float) -> torch.Tensor:
+    """The `rope.inv_freq` buffer: theta ** (-2i / 2n), i < n, float32."""
+    return 1.0 / (theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [S, H, D]; cos/sin: [S, R] in x's dtype, R <= D rotated channels, the rest pass through
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)
+    xr = xr * cos[:, None, :] + rot * sin[:, None, :]
+    return torch.cat([xr, xp], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads, self.head_dim = args.num_heads, args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, 3 * args.inner_dim, bias=False)  # rows [Q; K; V]
+        self.q_norm = RMSNorm(args.head_dim, args.qk_norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.qk_norm_eps)
+        self.out_proj = nn.Linear(args.inner_dim, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, attend, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        # x: [S, C] -> qkv: [S, 3, H, D]
+        qkv = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_dim))
+        q, k, v = qkv.unbind(1)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attend(q, k, v)  # [S, H, D]
+        return self.out_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.fc1 = nn.Linear(args.hidden_size, 2 * args.ffn_hidden, bias=False)  # rows [gate; up]
+        self.fc2 = nn.Linear(args.ffn_hidden, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * up)
+
+
+class AdaLNProj(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(in_dim, out_dim, bias=True)
+
+    def forward(self, temb: torch.Tensor) -> torch.Tensor:
+        # temb: [n, E] float32 -> [n, out] in the projection's dtype (SiLU at temb's precision)
+        return self.linear(F.silu(temb).to(self.linear.weight.dtype))
+
+
+class RefinerBlock(nn.Module):
+    """Plain pre-norm block over text rows: no AdaLN, no RoPE."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.norm1 = RMSNorm(args.hidden_size, args.norm_eps)
+        self.attn = Attention(args)
+        self.norm2 = RMSNorm(args.hidden_size, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), sdpa_rows, None)
+        return x + self.mlp(self.norm2(x))
+
+
+class TokenRefiner(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.blocks = nn.ModuleList([RefinerBlock(args) for _ in range(args.refiner_layers)])
+        self.final_norm = RMSNorm(args.hidden_size, args.final_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [Tt, C]
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.norm1 = RMSNorm(args.hidden_size, args.norm_eps)
+        self.attn = Attention(args)
+        self.norm2 = RMSNorm(args.hidden_size, args.norm_eps)
+        self.mlp = MLP(args)
+        self.adaln_proj = AdaLNProj(args.time_embed_dim, args.adaln_out)
+
+    def forward(self, x: torch.Tensor, mod: torch.Tensor, attend, rope) -> torch.Tensor:
+        # x: [S, C]; mod: [S, 6, C] rows of (shift, scale, gate) x (attention, mlp)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)
+        h = self.norm1(x) * (1.0 + scale1) + shift1
+        x = x + gate1 * self.attn(h, attend, rope)
+        h = self.norm2(x) * (1.0 + scale2) + shift2
+        return x + gate2 * self.mlp(h)
+
+
+class TimeEmbedder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dim = args.timestep_dim
+        self.proj_in = nn.Linear(args.timestep_dim, args.time_embed_hidden, bias=True)
+        self.proj_out = nn.Linear(args.time_embed_hidden, args.time_embed_dim, bias=True)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        # t: [n] float32 in [0, 1] (unscaled) -> [n, time_embed_dim] float32
+        return self.proj_out(F.silu(self.proj_in(timestep_sinusoid(t, self.dim).to(self.proj_in.weight.dtype))))
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[cos | sin] of t * 10000^(-i / (dim/2)), i < dim/2."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    ang = t.float()[:, None] * freqs[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1)
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.norm = RMSNorm(args.hidden_size, args.final_norm_eps)
+        self.adaln_proj = AdaLNProj(args.time_embed_dim, args.final_adaln_out)
+        self.video_out = nn.Linear(args.hidden_size, args.video_row_dim, bias=True)
+        self.audio_out = nn.Linear(args.hidden_size, args.audio_channels, bias=True)
+
+
+class DiT(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.video_patch_proj = nn.Linear(args.video_row_dim, args.hidden_size, bias=True)
+        self.audio_patch_proj = nn.Linear(args.audio_channels, args.hidden_size, bias=True)
+        self.condition_proj = nn.Linear(args.text_dim, args.hidden_size, bias=True)
+        self.time_embedder = TimeEmbedder(args)
+        self.rope = Rope(args)
+        self.token_refiner = TokenRefiner(args)
+        self.blocks = nn.ModuleList([Block(args) for _ in range(args.num_layers)])
+        self.final_layer = FinalLayer(args)
+        self.sequence_shard: SequenceShard = NoShard()
+        self.adaln_table = None  # set by cache_adaln(); then the adaln_proj linears are gone
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.condition_proj.weight.dtype
+
+    def cache_adaln(self, timesteps: Sequence[float]) -> AdaLNCacheReport:
+        """Precompute every AdaLN modulation for `timesteps`, drop the adaln_proj weights; returns the report."""
+        return install_adaln_cache(self, timesteps)
+
+    def _check_inputs(self, video, audio, text, layout: PackedLayout) -> None:
+        a = self.args
+        for name, x, rows, width in (("video", video, layout.video_len, a.video_row_dim),
+                                     ("audio", audio, layout.audio_rows, a.audio_channels),
+                                     ("text", text, layout.text_len, a.text_dim)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (rows, width):
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} has shape {shape}, expected ({rows}, {width}) for this layout")
+
+    def _modulations(self, layout: PackedLayout) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per block [n * 3, 6, C] AdaLN tables and the final layer's [n, 2, C] table for the layout's timesteps."""
+        c = self.args.hidden_size
+        if self.adaln_table is not None:
+            return self.adaln_table.lookup(layout.timestep_values)
+        temb = self.time_embedder(layout.timesteps)  # [n, E] float32
+        blocks = [b.adaln_proj(temb).view(-1, 6, c) for b in self.blocks]
+        return blocks, self.final_layer.adaln_proj(temb).view(-1, 2, c)
+
+    def forward(self, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor, layout: PackedLayout,
+                attention: AttentionPattern, heads: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run one packed document; returns (video_v [Tv, 96], audio_v [Ta, 32]) float32, or None if not heads."""
+        # video: [Tv, 96], audio: [Ta, 32], text: [Tt, text_dim]
+        self._check_inputs(video, audio, text, layout)
+        dt, dev, c = self.dtype, self.condition_proj.weight.device, self.args.hidden_size
+        # 1. Input projections; text goes through the refiner (full attention over text rows only).
+        v_rows = self.video_patch_proj(video.to(dev, self.video_patch_proj.weight.dtype)).to(dt)
+        a_rows = self.audio_patch_proj(audio.to(dev, self.audio_patch_proj.weight.dtype)).to(dt)
+        t_rows = self.token_refiner(self.condition_proj(text.to(dev, dt)))
+        x = torch.zeros(layout.seq_len, c, device=dev, dtype=dt)  # [S, C]
+        x.index_copy_(0, layout.text_index.to(dev), t_rows)
+        x.index_copy_(0, layout.audio_index.to(dev), a_rows)
+        x.index_copy_(0, layout.video_index.to(dev), v_rows)
+        # 2. AdaLN tables, per-row table indices and RoPE.
+        block_mods, final_mod = self._modulations(layout)
+        cos, sin = self.rope(layout.positions.to(dev))
+        shard = self.sequence_shard
+        x = shard.split(x)
+        rows = shard.split(layout.adaln_rows.to(dev))
+        rope = (shard.split(cos.to(dt)), shard.split(sin.to(dt)))
+        # 3. Blocks.
+        for i, block in enumerate(self.blocks):
+            mod = block_mods[i].index_select(0, rows)  # [S_local, 6, C]
+            x = block(x, mod, lambda q, k, v, i=i: attention(i, q, k, v), rope)
+        x = shard.gather(x)
+        if not heads:
+            return None
+        # 4. Final norm + (shift, scale) per timestep slot, on the video and audio rows only; float32 heads.
+        sel = torch.cat([layout.video_index, layout.audio_index]).to(dev)
+        fm = final_mod.index_select(0, layout.timestep_slot.to(dev).index_select(0, sel))  # [Tv + Ta, 2, C]
+        h = self.final_layer.norm(x.index_select(0, sel)) * (1.0 + fm[:, 1]) + fm[:, 0]
+        h = h.to(self.final_layer.video_out.weight.dtype)
+        tv = layout.video_len
+        return self.final_layer.video_out(h[:tv]), self.final_layer.audio_out(h[tv:])
+
+
+def is_fp32_param(name: str) -> bool:
+    """True for the parameters the shipped checkpoint stores (and the model keeps) in float32."""
+    return name.startswith(FP32_PREFIXES)
+
+
+def cast_model(model: DiT, dtype: torch.dtype) -> DiT:
+    """Cast to `dtype`, keeping patch projections, time embedder, heads and rope.inv_freq in float32."""
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        want = torch.float32 if is_fp32_param(name) else dtype
+        if p.dtype != want:
+            p.data = p.data.to(want)
+    return model
+
+
+def meta_model(args: ModelArgs, dtype: torch.dtype = torch.bfloat16) -> DiT:
+    """The model on the meta device with the final dtypes (no memory); used for shape checks and loading."""
+    with torch.device("meta"):
+        model = DiT(args)
+    return cast_model(model, dtype)
+
+
+def build_random(args: ModelArgs, device: torch.device | str, dtype: torch.dtype, seed: int) -> DiT:
+    """Build the model with random weights directly on `device` (normal std 0.02, norms 1, biases 0)."""
+    model = meta_model(args, dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, 0.02, generator=gen)
+                if module.bias is not None:
+                    module.bias.zero_()
+        model.rope.inv_freq.copy_(rope_inv_freq(args.rope_freqs, args.rope_theta))
+    return model.eval().requires_grad_(False)
