@@ -3,6 +3,6 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/bootstrap.sh"
-bash "$root/scripts/install_browser.sh"
+bash "$root/scripts/install_system_deps.sh"
 cd "$root"
 exec "$root/.venv/bin/python" -m pytest "$@"
