@@ -78,12 +78,13 @@ def bring_up(profile_path: pathlib.Path) -> list[subprocess.Popen]:
     procs: list[subprocess.Popen] = []
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     try:
-        for name, cmd in service_commands(profile_path).items():
-            procs.append(subprocess.Popen(_python(cmd)))
-            if name == "gateway":
-                _wait_healthy(name, profile, procs[-1], deadline)
+        commands = service_commands(profile_path)
+        for name in STAGES:  # the stages load in parallel
+            procs.append(subprocess.Popen(_python(commands[name])))
         for name, proc in zip(STAGES, procs):
             _wait_healthy(name, profile, proc, deadline)
+        procs.append(subprocess.Popen(_python(commands["gateway"])))
+        _wait_healthy("gateway", profile, procs[-1], deadline)
     except BaseException:
         stop_all(procs)
         raise

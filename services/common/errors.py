@@ -35,6 +35,10 @@ class NotReady(VitascopeError):
     """The service is still loading or warming up."""
 
 
+class Cancelled(VitascopeError):
+    """The session was cancelled (by its client or by shutdown) and has released its resources."""
+
+
 _STATUS = (
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -42,6 +46,7 @@ _STATUS = (
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (SequenceMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (Cancelled, grpc.StatusCode.CANCELLED),
 )
 
 

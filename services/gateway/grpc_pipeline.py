@@ -163,7 +163,7 @@ class GrpcSession(PipelineSession):
     async def _pump_dit_to_vae(self) -> None:
         """Forward each phase's latents from the DiT stream to the VAE stream."""
         try:
-            async for reply in self._dit_call:
+            while (reply := await self._dit_call.read()) is not grpc.aio.EOF:
                 kind = reply.WhichOneof("kind")
                 if kind == "meta":
                     self._metas.append(reply.meta)
@@ -183,7 +183,7 @@ class GrpcSession(PipelineSession):
         """Yield one MediaChunk per phase, in order, until the session ends or is cancelled."""
         data = bytearray()
         try:
-            async for reply in self._vae_call:
+            while (reply := await self._vae_call.read()) is not grpc.aio.EOF:
                 data += reply.data
                 if not reply.last:
                     continue
@@ -201,6 +201,12 @@ class GrpcSession(PipelineSession):
                                          vae=reply.video_decode_seconds + reply.audio_decode_seconds,
                                          mux=reply.mux_seconds))
                 data = bytearray()
+        except asyncio.CancelledError:
+            # Our own cancel() of the VAE call surfaces here as CancelledError: end the stream normally,
+            # unless this task itself is being cancelled.
+            if self._cancelled and asyncio.current_task().cancelling() == 0:
+                return
+            raise
         except grpc.RpcError as exc:
             if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
                 return

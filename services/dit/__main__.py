@@ -1,0 +1,23 @@
+"""`python -m services.dit --profile configs/tiny_cpu.yaml [--port N]`"""
+import argparse
+import asyncio
+import logging
+
+from services.common.config import load_profile
+from services.common.grpc_server import serve
+from services.dit.service import DiTStage
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="vitascope DiT stage")
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--port", type=int, help="override the profile's DiT port")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s dit %(levelname)s %(message)s")
+    profile = load_profile(args.profile)
+    port = args.port or profile.endpoints.port_of("dit")
+    asyncio.run(serve(DiTStage(profile), port, profile.dit.metrics_port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Protocol-neutral types of the DiT streaming runtime: configs, prompt updates, phase outputs and domain errors.
+
+Frozen dataclasses validated in `__post_init__`; knows nothing about the model, the KV cache, gRPC or threads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import Cancelled, InvalidInput, VitascopeError
+
+CANVAS_SHORT_EDGES = {"full": (480, 768, 1088), "tiny": (64, 128, 192, 256)}
+"""Default allowed canvas short edges per model preset (sides must also be multiples of 32)."""
+
+
+class InvalidCanvas(InvalidInput):
+    """The requested canvas is not one the deployment serves (the message names it and the allowed ones)."""
+
+
+class InvalidPrompt(InvalidInput):
+    """A prompt embedding has the wrong shape, dtype or non-finite values."""
+
+
+class LoRAError(InvalidInput):
+    """A LoRA adapter directory is malformed (the message names the file, target and problem)."""
+
+
+class SessionCancelled(Cancelled):
+    """The session was cancelled; its KV cache has been released."""
+
+
+class SessionClosed(VitascopeError):
+    """The session was already cancelled, closed or failed and cannot produce more phases."""
+
+
+class KVCacheError(VitascopeError):
+    """A KV-cache transaction was misused (commit without stage, overflow of the preallocated capacity)."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Deployment-wide settings of one DiT group's streaming runtime."""
+
+    canvases: tuple[int, ...] = CANVAS_SHORT_EDGES["full"]
+    """Allowed canvas short edges (pixels); sides must be multiples of 32."""
+    max_text_tokens: int = 512
+    """Longest prompt embedding accepted (rows reserved in the KV work area)."""
+    ulysses_degree: int = 1
+    """Sequence-parallel ranks; the KV cache keeps num_heads / ulysses_degree heads per rank."""
+    audio_reset_requests: int = 12
+    """Drop all cached audio history every this many requests."""
+
+    def __post_init__(self) -> None:
+        if not self.canvases or any(not isinstance(c, int) or c <= 0 or c % 32 for c in self.canvases):
+            raise ValueError(f"canvases={self.canvases!r} must be a non-empty tuple of positive multiples of 32")
+        for name in ("max_text_tokens", "ulysses_degree", "audio_reset_requests"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+
+    @classmethod
+    def for_preset(cls, preset: str, **overrides) -> "RuntimeConfig":
+        """Defaults for a model preset ("full" or "tiny")."""
+        if preset not in CANVAS_SHORT_EDGES:
+            raise ValueError(f"preset={preset!r} is not one of {sorted(CANVAS_SHORT_EDGES)}")
+        return cls(canvases=CANVAS_SHORT_EDGES[preset], **overrides)
+
+
+@dataclass(frozen=True)
+class HoldConfig:
+    """Optional hold at request boundaries: wait for a newer prompt before starting request k >= 1."""
+
+    enabled: bool = False
+    """Hold at every request boundary after request 0 until a newer prompt version arrives."""
+    max_seconds: float | None = None
+    """Finite hold: after this many seconds use the fallback (or the previous prompt); None holds forever."""
+    poll_seconds: float = 0.02
+    """How often a held session wakes up to check for a prompt or a cancel."""
+
+    def __post_init__(self) -> None:
+        if self.max_seconds is not None and not (math.isfinite(self.max_seconds) and self.max_seconds > 0):
+            raise ValueError(f"hold max_seconds={self.max_seconds!r} must be a positive finite number, or None "
+                             f"for an infinite hold")
+        if not (math.isfinite(self.poll_seconds) and self.poll_seconds > 0):
+            raise ValueError(f"hold poll_seconds={self.poll_seconds!r} must be a positive finite number")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """One streaming session's fixed parameters."""
+
+    seed: int
+    """Noise seed; request k draws audio from seed + k and video from seed + k * 1,000,003."""
+    width: int
+    """Canvas width in pixels (multiple of 32)."""
+    height: int
+    """Canvas height in pixels (multiple of 32)."""
+    hold: HoldConfig = field(default_factory=HoldConfig)
+    """Hold behaviour at request boundaries."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+
+
+@dataclass(frozen=True, eq=False)
+class PromptUpdate:
+    """A prompt version: its text embedding and the client's event id."""
+
+    embedding: torch.Tensor
+    """[L, text_dim] text-encoder hidden states."""
+    event_id: str = ""
+    """Client event id acknowledged in the phase metadata ("" for an anonymous first prompt)."""
+
+    def __post_init__(self) -> None:
+        e = self.embedding
+        if not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[0] < 1 or not e.is_floating_point():
+            shape = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+            raise InvalidPrompt(f"prompt {self.event_id!r}: embedding must be a float tensor [L >= 1, text_dim], "
+                                f"got {shape}")
+        if not bool(torch.isfinite(e).all()):
+            raise InvalidPrompt(f"prompt {self.event_id!r}: embedding contains NaN or Inf")
+        if not isinstance(self.event_id, str):
+            raise InvalidPrompt(f"event_id must be a str, got {type(self.event_id).__name__}")
+
+
+@dataclass(frozen=True)
+class PhaseTimings:
+    """Wall seconds spent per stage of one phase."""
+
+    hold_s: float = 0.0
+    """Waiting for a newer prompt at the request boundary."""
+    teacher_s: float = 0.0
+    """The audio teacher's 9 forwards (first phase of a request only)."""
+    student_s: float = 0.0
+    """The three LoRA-student forwards and Euler updates."""
+    commit_s: float = 0.0
+    """The clean-commit forward and the KV transaction."""
+    total_s: float = 0.0
+    """The whole phase."""
+
+
+@dataclass(frozen=True)
+class PhaseMeta:
+    """Metadata of one phase output."""
+
+    request_index: int
+    phase_index: int
+    num_frames: int
+    """Pixel frames the phase's video latents decode to."""
+    num_audio_samples: int
+    """Audio samples per channel the phase's audio latents decode to."""
+    num_video_latents: int
+    num_audio_latents: int
+    """Audio latents per channel."""
+    started_event_ids: tuple[str, ...]
+    """Prompt events whose prompt is used for the first time in this phase."""
+    active_event_id: str
+    """The prompt event this phase was generated with."""
+    completed_event_ids: tuple[str, ...]
+    """Prompt events installed at this phase's request boundary: the started ones and the superseded ones."""
+    superseded_event_ids: tuple[str, ...]
+    """Prompt events replaced by a newer one before they reached a request boundary (never used)."""
+    timings: PhaseTimings
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseOutput:
+    """One phase of generated latents."""
+
+    video: torch.Tensor
+    """[F, 24, h, w] float32 clean video latents (h, w = canvas / 16)."""
+    audio: torch.Tensor
+    """[2, A, 32] float32 clean audio latents (left, right)."""
+    meta: PhaseMeta

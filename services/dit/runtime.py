@@ -1,0 +1,300 @@
+"""Streaming runtime of one DiT group: a session turns (seed, canvas, prompts) into an endless stream of
+audio+video latents, phase by phase.
+
+Per request (5 s): choose the prompt (hold, updates), draw the noise (audio from seed + k after a discarded full
+video draw, video from seed + k * 1,000,003), run the audio teacher once. Per phase: three LoRA-student forwards
+(Euler on video; the student's audio is overwritten by teacher states 3/6/9), renormalise the clean video to the
+first phase's per-channel statistics, then one clean-commit forward at sigma = 0 without heads that stages K/V of
+every layer and commits them as one transaction (rollback on any failure). Cancellation is checked between
+forwards and releases the session's KV at once. Knows nothing about transport, encoding or decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+
+from services.common.errors import NoCapacity
+from services.dit.api import (InvalidPrompt, PhaseMeta, PhaseOutput, PhaseTimings, PromptUpdate, RuntimeConfig,
+                              SessionCancelled, SessionClosed, SessionConfig)
+from services.dit.attention import StreamingAttention
+from services.dit.geometry import TEACHER_TAIL_LATENTS, Canvas, PhasePlan, RequestPlan, check_canvas, plan_request
+from services.dit.kv_cache import CleanAVKVCache, kv_capacity
+from services.dit.layout import pack_layout
+from services.dit.lora import LoRAAdapter
+from services.dit.model import DiT
+from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, euler_step, model_t
+from services.dit.session import CancelToken, PromptBook, RequestPrompt
+from services.dit.teacher import AudioTeacher
+from services.dit.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+VIDEO_SEED_STRIDE = 1_000_003
+STUDENT_STEPS = len(VIDEO_SIGMAS) - 1
+
+
+def request_noise(seed: int, request: RequestPlan, canvas: Canvas, channels: int, audio_channels: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noise of one request: video `[F, C, h, w]` from seed + k * 1,000,003, audio `[2, A, 32]` from seed + k."""
+    k = request.request_index
+    shape = (channels, request.num_latents, canvas.latent_height, canvas.latent_width)  # [C, F, h, w]
+    video = torch.randn(shape, generator=torch.Generator().manual_seed(seed + k * VIDEO_SEED_STRIDE))
+    gen = torch.Generator().manual_seed(seed + k)
+    torch.randn(shape, generator=gen)  # discarded full video draw, as the official H3 sampler consumes it
+    audio = torch.randn((2, request.num_audio_latents, audio_channels), generator=gen)
+    return video.transpose(0, 1).contiguous(), audio
+
+
+def patchify(latents: torch.Tensor, patch: int = 2) -> torch.Tensor:
+    """`[F, C, h, w]` video latents -> `[F * h/2 * w/2, C * 4]` DiT rows (frame-major, row-major)."""
+    return rearrange(latents, "f c (h ph) (w pw) -> (f h w) (c ph pw)", ph=patch, pw=patch)
+
+
+def unpatchify(rows: torch.Tensor, frames: int, height: int, width: int, patch: int = 2) -> torch.Tensor:
+    """`[F * h/2 * w/2, C * 4]` rows -> `[F, C, h, w]` latents."""
+    return rearrange(rows, "(f h w) (c ph pw) -> f c (h ph) (w pw)", f=frames, h=height // patch,
+                     w=width // patch, ph=patch, pw=patch)
+
+
+@dataclass
+class _RequestState:
+    """What one request computes once and its phases share."""
+
+    plan: RequestPlan
+    prompt: RequestPrompt
+    text: torch.Tensor  # [L, text_dim] on the model device
+    video_noise: torch.Tensor  # [F, C, h, w]
+    audio_noise: torch.Tensor  # [2, A, 32]
+    audio: list[torch.Tensor]  # teacher states 3/6/9, [2, A, 32]
+    teacher_s: float
+
+
+class DiTRuntime:
+    """One DiT group (model + optional LoRA); serves one active streaming session at a time."""
+
+    def __init__(self, model: DiT, config: RuntimeConfig, adapter: LoRAAdapter | None = None):
+        if model.args.num_heads % config.ulysses_degree:
+            raise ValueError(f"ulysses_degree={config.ulysses_degree} does not divide num_heads="
+                             f"{model.args.num_heads}")
+        self.model, self.config, self.adapter = model, config, adapter
+        self.teacher = AudioTeacher(model, adapter)
+        self._lock = threading.Lock()
+        self._active: StreamingSession | None = None
+
+    @property
+    def active_session(self) -> "StreamingSession | None":
+        return self._active
+
+    def open_session(self, config: SessionConfig, prompt: PromptUpdate,
+                     fallback: PromptUpdate | None = None) -> "StreamingSession":
+        """Validate and start a session; raises InvalidCanvas, InvalidPrompt or NoCapacity."""
+        canvas = check_canvas(config.width, config.height, self.config.canvases)
+        for p in (prompt, fallback):
+            if p is not None:
+                self.check_prompt(p)
+        with self._lock:
+            if self._active is not None:
+                raise NoCapacity("this DiT group already streams a session; one active session per group")
+            session = StreamingSession(self, config, canvas, prompt, fallback)
+            self._active = session
+        return session
+
+    def check_prompt(self, prompt: PromptUpdate) -> None:
+        """Reject an embedding of the wrong width or longer than max_text_tokens."""
+        rows, width = prompt.embedding.shape
+        if width != self.model.args.text_dim:
+            raise InvalidPrompt(f"prompt {prompt.event_id!r}: embedding width {width}, expected text_dim "
+                                f"{self.model.args.text_dim}")
+        if rows > self.config.max_text_tokens:
+            raise InvalidPrompt(f"prompt {prompt.event_id!r}: {rows} tokens exceed max_text_tokens "
+                                f"{self.config.max_text_tokens}")
+
+    def _release(self, session: "StreamingSession") -> None:
+        with self._lock:
+            if self._active is session:
+                self._active = None
+
+
+class StreamingSession:
+    """One endless stream; `next_phase()` produces the next phase's latents."""
+
+    def __init__(self, runtime: DiTRuntime, config: SessionConfig, canvas: Canvas, prompt: PromptUpdate,
+                 fallback: PromptUpdate | None):
+        self.runtime, self.config, self.canvas = runtime, config, canvas
+        model = runtime.model
+        self.device = model.condition_proj.weight.device
+        self.prompts = PromptBook(prompt, config.hold, fallback)
+        self.timeline = Timeline(canvas, origin=prompt.embedding.shape[0])
+        args = model.args
+        self.kv: CleanAVKVCache | None = CleanAVKVCache(
+            args.num_layers, kv_capacity(canvas, runtime.config.max_text_tokens),
+            args.num_heads // runtime.config.ulysses_degree, args.head_dim, model.dtype, self.device)
+        self.cancel_token = CancelToken()
+        self.request_index, self.phase_index = 0, 0
+        self._request: _RequestState | None = None
+        self._boundary: RequestPrompt | None = None
+        self._tail: torch.Tensor | None = None  # [2, 40, 32] clean teacher audio of the previous request
+        self._ref_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # per-channel mean/std [C]
+        self._phase_lock = threading.Lock()
+        self.closed = False
+
+    # ---- control (any thread) ----------------------------------------------------------------------------
+    def submit_prompt(self, update: PromptUpdate) -> None:
+        """Queue a prompt update; it takes effect at the next request boundary."""
+        self.runtime.check_prompt(update)
+        self.prompts.submit(update)
+
+    def cancel(self) -> None:
+        """Cancel: an idle session releases its KV now, a running phase at its next check between forwards."""
+        self.cancel_token.cancel()
+        if self._phase_lock.acquire(blocking=False):
+            try:
+                self._shutdown()
+            finally:
+                self._phase_lock.release()
+
+    def close(self) -> None:
+        """End the session normally and release its KV."""
+        with self._phase_lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self.kv is not None:
+            self.kv.release()
+            self.kv = None
+        self._request = None
+        self.closed = True
+        self.runtime._release(self)
+
+    def _check(self) -> None:
+        self.cancel_token.check()
+
+    # ---- generation --------------------------------------------------------------------------------------
+    def next_phase(self) -> PhaseOutput:
+        """Generate the next phase; raises SessionCancelled (KV released) or SessionClosed."""
+        with self._phase_lock:
+            if self.closed:
+                raise SessionClosed("the session is closed")
+            try:
+                return self._phase()
+            except SessionCancelled:
+                self._shutdown()
+                raise
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _start_request(self) -> _RequestState:
+        k, model = self.request_index, self.runtime.model
+        if self._boundary is None:  # chosen once per request, even if a later step fails and the phase is retried
+            self._boundary = self.prompts.for_request(k, self.cancel_token)
+        rp = self._boundary
+        t0 = time.perf_counter()
+        plan = plan_request(k)
+        reset = self.runtime.config.audio_reset_requests
+        if k > 0 and k % reset == 0:
+            self.kv.drop_audio()
+            log.info("request %d: dropped cached audio history", k)
+        video, audio = request_noise(self.config.seed, plan, self.canvas, model.args.video_channels,
+                                     model.args.audio_channels)
+        text = rp.prompt.embedding.to(self.device, model.dtype)
+        states = self.runtime.teacher.run(text, plan, self.timeline, audio, self._tail, self.cancel_token)
+        self._sync()
+        self._boundary = None
+        return _RequestState(plan, rp, text, video, audio, states, time.perf_counter() - t0)
+
+    def _phase(self) -> PhaseOutput:
+        t_start = time.perf_counter()
+        self._check()
+        first_phase = self.phase_index == 0
+        if self._request is None:  # kept across a failed phase, so a retry reuses prompt, noise and teacher
+            self._request = self._start_request()
+        req = self._request
+        ph = req.plan.phases[self.phase_index]
+        t0 = time.perf_counter()
+        xv, audio = self._student(req, ph)
+        self._sync()
+        t1 = time.perf_counter()
+        video, mean, std = self._renormalise(xv, ph)
+        self._commit(req, ph, patchify(video), audio)
+        self._sync()
+        t2 = time.perf_counter()
+        if self._ref_stats is None:
+            self._ref_stats = (mean, std)
+        last = self.phase_index == len(req.plan.phases) - 1
+        if last:
+            self._tail = req.audio[-1][:, -TEACHER_TAIL_LATENTS:].clone()
+        timings = PhaseTimings(hold_s=req.prompt.hold_seconds if first_phase else 0.0,
+                               teacher_s=req.teacher_s if first_phase else 0.0, student_s=t1 - t0,
+                               commit_s=t2 - t1, total_s=time.perf_counter() - t_start)
+        meta = PhaseMeta(request_index=self.request_index, phase_index=self.phase_index, num_frames=ph.num_frames,
+                         num_audio_samples=ph.num_audio_samples, num_video_latents=ph.num_latents,
+                         num_audio_latents=ph.num_audio_latents,
+                         started_event_ids=req.prompt.started if first_phase else (),
+                         active_event_id=req.prompt.prompt.event_id,
+                         completed_event_ids=req.prompt.started + req.prompt.superseded if first_phase else (),
+                         superseded_event_ids=req.prompt.superseded if first_phase else (), timings=timings)
+        out = PhaseOutput(video=video.float().cpu(), audio=audio.reshape(2, ph.num_audio_latents, -1).float().cpu(),
+                          meta=meta)
+        if last:
+            self.request_index, self.phase_index, self._request = self.request_index + 1, 0, None
+        else:
+            self.phase_index += 1
+        return out
+
+    def _layout(self, req: _RequestState, ph: PhasePlan, sigma_v: float, sigma_a: float):
+        return pack_layout(text_len=req.text.shape[0], audio_len_per_channel=ph.num_audio_latents,
+                           video_rows=ph.num_latents * self.canvas.rows_per_frame,
+                           positions_text=self.timeline.text(ph.request_index, req.text.shape[0]),
+                           positions_audio=self.timeline.audio(ph.audio_start, ph.num_audio_latents),
+                           positions_video=self.timeline.video(ph), video_t=model_t(sigma_v),
+                           audio_t=model_t(sigma_a)).to(self.device)
+
+    def _student(self, req: _RequestState, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Three student forwards; returns clean video rows [Tv, 96] and the teacher's clean audio [2A, 32]."""
+        model, ch = self.runtime.model, self.runtime.model.args.audio_channels
+        lat = req.video_noise[ph.latent_offset:ph.latent_offset + ph.num_latents]
+        xv = patchify(lat).to(self.device)  # [Tv, 96]
+        a0, a1 = ph.audio_offset, ph.audio_offset + ph.num_audio_latents
+        xa = req.audio_noise[:, a0:a1].reshape(-1, ch).to(self.device)  # [2A, 32], L rows then R rows
+        for s in range(STUDENT_STEPS):
+            self._check()
+            layout = self._layout(req, ph, VIDEO_SIGMAS[s], AUDIO_SIGMAS[s])
+            with torch.no_grad():
+                vv, _ = model(xv, xa, req.text, layout, StreamingAttention(layout, self.kv))
+            xv = euler_step(xv, vv, VIDEO_SIGMAS[s], VIDEO_SIGMAS[s + 1])
+            xa = req.audio[s][:, a0:a1].reshape(-1, ch)  # the teacher's milestone replaces the student's audio
+        return xv, xa
+
+    def _renormalise(self, rows: torch.Tensor, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Clean video `[F, C, h, w]` affinely matched to the first phase's per-channel mean/std."""
+        video = unpatchify(rows.float(), ph.num_latents, self.canvas.latent_height, self.canvas.latent_width)
+        mean = video.mean(dim=(0, 2, 3))  # [C]
+        std = video.std(dim=(0, 2, 3)).clamp_min(1e-6)
+        if self._ref_stats is None:
+            return video, mean, std
+        ref_mean, ref_std = self._ref_stats
+        scale = (ref_std / std)[None, :, None, None]
+        return (video - mean[None, :, None, None]) * scale + ref_mean[None, :, None, None], mean, std
+
+    def _commit(self, req: _RequestState, ph: PhasePlan, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> None:
+        """Clean-commit forward at sigma = 0 without heads; all layers' media K/V commit as one transaction."""
+        self._check()
+        layout = self._layout(req, ph, 0.0, 0.0)
+        self.kv.begin(audio_rows.shape[0], video_rows.shape[0])
+        try:
+            with torch.no_grad():
+                self.runtime.model(video_rows, audio_rows, req.text, layout,
+                                   StreamingAttention(layout, self.kv, commit=True), heads=False)
+            self.kv.commit()
+        except BaseException:
+            if self.kv is not None:
+                self.kv.rollback()
+            raise

@@ -1,0 +1,63 @@
+"""`python -m services.gateway --profile configs/tiny_cpu.yaml [--port N]`: the websocket gateway."""
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+
+from aiohttp import web
+
+from services.common.config import Endpoints, load_profile
+from services.gateway.config import GatewayConfig
+from services.gateway.grpc_pipeline import GrpcPipeline
+from services.gateway.ws import create_app
+
+_TUPLE_FIELDS = ("allowed_canvases", "default_canvas")
+
+
+def gateway_config(raw: dict) -> GatewayConfig:
+    """The profile's gateway section as a GatewayConfig (YAML lists become tuples)."""
+    known = {f.name for f in dataclasses.fields(GatewayConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"profile section 'gateway': unknown keys {unknown}; known keys are {sorted(known)}")
+    values = dict(raw)
+    if "allowed_canvases" in values:
+        values["allowed_canvases"] = tuple(tuple(c) for c in values["allowed_canvases"])
+    if "default_canvas" in values:
+        values["default_canvas"] = tuple(values["default_canvas"])
+    return GatewayConfig(**values)
+
+
+async def run(config: GatewayConfig, endpoints: Endpoints) -> None:
+    """Serve until SIGTERM / Ctrl-C, then close the sessions and the backend channels."""
+    pipeline = GrpcPipeline(endpoints.encoder, endpoints.dit, endpoints.vae)  # channels bind to this loop
+    runner = web.AppRunner(create_app(config, pipeline))
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    logging.getLogger("services.gateway").info("gateway listening on http://%s:%d/", config.host, config.port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await pipeline.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="vitascope realtime gateway")
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--port", type=int, help="override gateway.port")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    profile = load_profile(args.profile)
+    config = gateway_config(profile.gateway)
+    if args.port is not None:
+        config = dataclasses.replace(config, port=args.port)
+    asyncio.run(run(config, profile.endpoints))
+
+
+if __name__ == "__main__":
+    main()

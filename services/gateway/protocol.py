@@ -1,0 +1,491 @@
+"""Wire protocol of `/v1/realtime/video` (vLLM-Omni compatible): message dataclasses and parsing.
+
+Knows nothing about sockets, sessions or the backend: it turns one client text frame into one
+frozen message dataclass (or raises `ProtocolError` with a named code) and turns server message
+dataclasses into JSON-ready dicts.
+
+Client -> server (JSON text frames):
+  session.start        first message, within `start_timeout_s`, <= `max_start_bytes`
+  session.interaction  {"interaction": {"event_id"?, "event": {"prompt"}, "transition_chunks"?}}
+  session.stop         ends the session; the server answers `session.done{stopped: true}`
+  session.ping         refreshes the stall clock; the server answers `session.pong`
+Server -> client: video.start, video.chunk_metadata (+ exactly one binary fMP4 frame after it),
+  session.interaction.queued, session.queued, session.pong, session.done, error.
+Additive to vLLM-Omni: `session.queued{position}`, `error.code` on every error, and the chunk
+metadata fields `request_index`, `phase_index`, `timings`. As in vLLM-Omni,
+`extra_params.pace_to_media_time` (+ `pacing_lead_seconds`, `pacing_max_lag_seconds`) makes the
+gateway send each chunk no earlier than its media time; `extra_params.hold_for_prompt`
+(+ `hold_max_seconds`, `hold_fallback_prompt`) is passed to the backend as `HoldSettings`.
+
+Error codes and whether the connection closes after the `error` message:
+  code                     closes  when
+  invalid_json             no      a text frame that is not a JSON object
+  binary_not_allowed       no      a binary frame from the client
+  unknown_type             no      `type` missing or not a known message type
+  missing_field            *       a required field is absent
+  invalid_type             *       a field has the wrong JSON type
+  invalid_value            *       a field has an out-of-range value (e.g. negative seed)
+  unsupported_field        *       a field this server does not implement (image_reference, lora, ...)
+  message_too_large        *       a frame above `max_start_bytes` (start) / `max_interaction_bytes`
+  empty_prompt             *       prompt empty or only whitespace
+  prompt_too_long          *       prompt longer than `max_prompt_chars`
+  unsupported_format       yes     `format` other than "m4s"
+  model_mismatch           yes     `model` names another model
+  canvas_not_allowed       yes     (width, height) not in the deployment's canvases
+  fps_not_allowed          yes     `fps` differs from the served frame rate
+  queue_full               yes     the wait queue is at its limit (close code 1013)
+  invalid_request          yes     the backend rejected the start
+  start_timeout            yes     no `session.start` within `start_timeout_s`
+  session_not_started      no      interaction or stop before `session.start`
+  session_already_started  no      a second `session.start`; the running session continues
+  event_id_conflict        no      an interaction reuses an event id of this session
+  session_stopped          no      an interaction after `session.stop`
+  interaction_failed       no      the backend rejected a prompt update; streaming continues
+  stall_timeout            yes     no chunk and no ping for `stall_timeout_s`
+  backend_unavailable      yes     a backend stage failed or is unreachable
+  backend_busy             yes     a backend stage has no free session capacity
+  internal_error           yes     anything else
+  (*) closes when no session runs yet (the rejected frame was, or may have been, the start);
+      stays open once a session runs (the running session continues).
+A frame above the transport limit `max_frame_bytes` closes the socket with code 1009 and no
+`error` message (the websocket layer drops it before it can be read).
+Close codes: 1000 after `session.done`; 1008 for a rejected start or start_timeout (1009 for
+message_too_large, 1013 for queue_full); 1011 when a running session fails (stall, backend).
+`session.ping` is answered with `session.pong` before `session.start` too.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, ClassVar, Union
+
+from services.gateway.pipeline import HoldSettings
+
+FORMAT_M4S = "m4s"
+MAX_EVENT_ID_CHARS = 256
+
+
+class ErrorCode(str, Enum):
+    """Named error codes carried in `error.code`."""
+
+    INVALID_JSON = "invalid_json"
+    BINARY_NOT_ALLOWED = "binary_not_allowed"
+    UNKNOWN_TYPE = "unknown_type"
+    MISSING_FIELD = "missing_field"
+    INVALID_TYPE = "invalid_type"
+    INVALID_VALUE = "invalid_value"
+    UNSUPPORTED_FIELD = "unsupported_field"
+    MESSAGE_TOO_LARGE = "message_too_large"
+    EMPTY_PROMPT = "empty_prompt"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    UNSUPPORTED_FORMAT = "unsupported_format"
+    MODEL_MISMATCH = "model_mismatch"
+    CANVAS_NOT_ALLOWED = "canvas_not_allowed"
+    FPS_NOT_ALLOWED = "fps_not_allowed"
+    QUEUE_FULL = "queue_full"
+    INVALID_REQUEST = "invalid_request"
+    START_TIMEOUT = "start_timeout"
+    SESSION_NOT_STARTED = "session_not_started"
+    SESSION_ALREADY_STARTED = "session_already_started"
+    EVENT_ID_CONFLICT = "event_id_conflict"
+    SESSION_STOPPED = "session_stopped"
+    INTERACTION_FAILED = "interaction_failed"
+    STALL_TIMEOUT = "stall_timeout"
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    BACKEND_BUSY = "backend_busy"
+    INTERNAL_ERROR = "internal_error"
+
+
+class ProtocolError(Exception):
+    """A client message was rejected; becomes one `error` message with `code`."""
+
+    def __init__(self, code: ErrorCode, message: str, *, event_id: str | None = None) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+        self.event_id = event_id
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    """Size limits applied while parsing client frames."""
+
+    max_start_bytes: int
+    max_interaction_bytes: int
+    max_prompt_chars: int
+
+
+# ---------------------------------------------------------------- client -> server
+
+
+@dataclass(frozen=True)
+class PacingSettings:
+    """Gateway-side pacing (`extra_params.pace_to_media_time`): send chunks at media speed."""
+
+    lead_s: float = 0.5
+    """Send each chunk this many seconds before its media time (`pacing_lead_seconds`)."""
+    max_lag_s: float = 5.0
+    """When sending falls this far behind media time, restart the clock instead of bursting
+    (`pacing_max_lag_seconds`)."""
+
+
+@dataclass(frozen=True)
+class SessionStart:
+    """`session.start`: the session's first prompt and settings (canvas checks happen later)."""
+
+    TYPE: ClassVar[str] = "session.start"
+    prompt: str
+    model: str | None = None
+    format: str = FORMAT_M4S
+    width: int | None = None
+    height: int | None = None
+    fps: int | None = None
+    seed: int | None = None
+    hold: HoldSettings = field(default_factory=HoldSettings)
+    pacing: PacingSettings | None = None
+    """None: send chunks as soon as they are ready."""
+    extra_params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """`extra_params` without the hold and pacing keys, passed to the backend untouched."""
+
+
+@dataclass(frozen=True)
+class SessionInteraction:
+    """`session.interaction`: a live prompt update."""
+
+    TYPE: ClassVar[str] = "session.interaction"
+    prompt: str
+    event_id: str | None = None
+    """Client's id for the update (None: the server assigns one)."""
+    transition_chunks: int | None = None
+    """Accepted for compatibility; TaoMate switches prompts hard (0)."""
+
+
+@dataclass(frozen=True)
+class SessionStop:
+    """`session.stop`: end the session."""
+
+    TYPE: ClassVar[str] = "session.stop"
+
+
+@dataclass(frozen=True)
+class SessionPing:
+    """`session.ping`: keep-alive."""
+
+    TYPE: ClassVar[str] = "session.ping"
+
+
+ClientMessage = Union[SessionStart, SessionInteraction, SessionStop, SessionPing]
+
+_START_IGNORED = {"num_frames": int, "num_inference_steps": int, "guidance_scale": float,
+                  "negative_prompt": str}
+_START_UNSUPPORTED = ("image_reference", "lora")
+_HOLD_KEYS = ("hold_for_prompt", "hold_max_seconds", "hold_fallback_prompt")
+_PACING_KEYS = ("pace_to_media_time", "pacing_lead_seconds", "pacing_max_lag_seconds")
+
+
+def parse_client_text(text: str, limits: MessageLimits) -> ClientMessage:
+    """Parse one client text frame into a message dataclass or raise ProtocolError."""
+    size = len(text.encode("utf-8"))
+    if size > limits.max_start_bytes:
+        raise ProtocolError(
+            ErrorCode.MESSAGE_TOO_LARGE,
+            f"message is {size} bytes; the limit is {limits.max_start_bytes} bytes for session.start",
+        )
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ProtocolError(ErrorCode.INVALID_JSON, f"text frame is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(
+            ErrorCode.INVALID_JSON, f"message must be a JSON object, got {type(body).__name__}"
+        )
+    kind = body.get("type")
+    if kind is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, "message has no 'type' field")
+    if kind != SessionStart.TYPE and size > limits.max_interaction_bytes:
+        raise ProtocolError(
+            ErrorCode.MESSAGE_TOO_LARGE,
+            f"{kind} message is {size} bytes; the limit is {limits.max_interaction_bytes} bytes",
+        )
+    if kind == SessionStart.TYPE:
+        return _parse_start(body, limits)
+    if kind == SessionInteraction.TYPE:
+        return _parse_interaction(body, limits)
+    if kind == SessionStop.TYPE:
+        return SessionStop()
+    if kind == SessionPing.TYPE:
+        return SessionPing()
+    raise ProtocolError(
+        ErrorCode.UNKNOWN_TYPE,
+        f"unknown message type {kind!r}; expected one of session.start, session.interaction, "
+        "session.stop, session.ping",
+    )
+
+
+def _field(body: Mapping[str, Any], key: str, kind: type, where: str, *, required: bool = False):
+    """Return body[key] checked against `kind` (None when optional and absent or null)."""
+    if key not in body or body[key] is None:
+        if required:
+            raise ProtocolError(ErrorCode.MISSING_FIELD, f"{where}.{key} is required")
+        return None
+    value = body[key]
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        raise ProtocolError(
+            ErrorCode.INVALID_TYPE,
+            f"{where}.{key} must be {_type_name(kind)}, got {type(value).__name__}",
+        )
+    return value
+
+
+def _type_name(kind: type) -> str:
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+            dict: "an object"}.get(kind, kind.__name__)
+
+
+def _check_prompt(prompt: str, where: str, limits: MessageLimits) -> str:
+    if not prompt.strip():
+        raise ProtocolError(ErrorCode.EMPTY_PROMPT, f"{where} is empty")
+    if len(prompt) > limits.max_prompt_chars:
+        raise ProtocolError(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"{where} has {len(prompt)} characters; the limit is {limits.max_prompt_chars}",
+        )
+    return prompt
+
+
+def _positive(value: int | None, where: str) -> int | None:
+    if value is not None and value <= 0:
+        raise ProtocolError(ErrorCode.INVALID_VALUE, f"{where}={value} must be > 0")
+    return value
+
+
+def _parse_start(body: dict[str, Any], limits: MessageLimits) -> SessionStart:
+    sampling = _field(body, "sampling_params", dict, "session.start")
+    merged = {**(sampling or {}), **{k: v for k, v in body.items() if k != "sampling_params"}}
+    for key in _START_UNSUPPORTED:
+        if merged.get(key) is not None:
+            raise ProtocolError(ErrorCode.UNSUPPORTED_FIELD, f"session.start.{key} is not supported")
+    for key, kind in _START_IGNORED.items():
+        _field(merged, key, kind, "session.start")  # type-checked, then ignored
+    prompt = _check_prompt(
+        _field(merged, "prompt", str, "session.start", required=True), "session.start.prompt", limits
+    )
+    seed = _field(merged, "seed", int, "session.start")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ProtocolError(ErrorCode.INVALID_VALUE, f"session.start.seed={seed} must be in [0, 2**63)")
+    fmt = _field(merged, "format", str, "session.start")
+    if fmt is not None and fmt != FORMAT_M4S:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_FORMAT, f"session.start.format={fmt!r}; only 'm4s' is supported"
+        )
+    extra = dict(_field(merged, "extra_params", dict, "session.start") or {})
+    hold = _parse_hold(extra, limits)
+    pacing = _parse_pacing(extra)
+    for key in _HOLD_KEYS + _PACING_KEYS:
+        extra.pop(key, None)
+    return SessionStart(
+        prompt=prompt,
+        model=_field(merged, "model", str, "session.start"),
+        format=FORMAT_M4S,
+        width=_positive(_field(merged, "width", int, "session.start"), "session.start.width"),
+        height=_positive(_field(merged, "height", int, "session.start"), "session.start.height"),
+        fps=_positive(_field(merged, "fps", int, "session.start"), "session.start.fps"),
+        seed=seed,
+        hold=hold,
+        pacing=pacing,
+        extra_params=MappingProxyType(extra),
+    )
+
+
+def _parse_hold(extra: Mapping[str, Any], limits: MessageLimits) -> HoldSettings:
+    where = "session.start.extra_params"
+    enabled = _field(extra, "hold_for_prompt", bool, where)
+    max_seconds = _field(extra, "hold_max_seconds", float, where)
+    if max_seconds is not None and max_seconds < 0:
+        raise ProtocolError(
+            ErrorCode.INVALID_VALUE, f"{where}.hold_max_seconds={max_seconds} must be >= 0 (0 = no limit)"
+        )
+    fallback = _field(extra, "hold_fallback_prompt", str, where)
+    if fallback is not None:
+        _check_prompt(fallback, f"{where}.hold_fallback_prompt", limits)
+    return HoldSettings(
+        enabled=bool(enabled), max_seconds=float(max_seconds or 0.0), fallback_prompt=fallback
+    )
+
+
+def _parse_pacing(extra: Mapping[str, Any]) -> PacingSettings | None:
+    where = "session.start.extra_params"
+    enabled = _field(extra, "pace_to_media_time", bool, where)
+    lead = _field(extra, "pacing_lead_seconds", float, where)
+    max_lag = _field(extra, "pacing_max_lag_seconds", float, where)
+    if lead is not None and lead < 0:
+        raise ProtocolError(ErrorCode.INVALID_VALUE, f"{where}.pacing_lead_seconds={lead} must be >= 0")
+    if max_lag is not None and max_lag <= 0:
+        raise ProtocolError(ErrorCode.INVALID_VALUE, f"{where}.pacing_max_lag_seconds={max_lag} must be > 0")
+    if not enabled:
+        return None
+    defaults = PacingSettings()
+    return PacingSettings(
+        lead_s=defaults.lead_s if lead is None else float(lead),
+        max_lag_s=defaults.max_lag_s if max_lag is None else float(max_lag),
+    )
+
+
+def _parse_interaction(body: dict[str, Any], limits: MessageLimits) -> SessionInteraction:
+    where = "session.interaction.interaction"
+    interaction = _field(body, "interaction", dict, "session.interaction", required=True)
+    event_id = _field(interaction, "event_id", str, where)
+    if event_id is not None and not 0 < len(event_id) <= MAX_EVENT_ID_CHARS:
+        raise ProtocolError(
+            ErrorCode.INVALID_VALUE,
+            f"{where}.event_id must have 1..{MAX_EVENT_ID_CHARS} characters, got {len(event_id)}",
+        )
+    try:
+        transition = _field(interaction, "transition_chunks", int, where)
+        if transition is not None and transition < 0:
+            raise ProtocolError(
+                ErrorCode.INVALID_VALUE, f"{where}.transition_chunks={transition} must be >= 0"
+            )
+        event = _field(interaction, "event", dict, where, required=True)
+        for key in ("multi_modal_data", "negative_prompt"):
+            if event.get(key) is not None:
+                raise ProtocolError(ErrorCode.UNSUPPORTED_FIELD, f"{where}.event.{key} is not supported")
+        prompt = _check_prompt(
+            _field(event, "prompt", str, f"{where}.event", required=True), f"{where}.event.prompt", limits
+        )
+    except ProtocolError as exc:
+        exc.event_id = event_id
+        raise
+    return SessionInteraction(prompt=prompt, event_id=event_id, transition_chunks=transition)
+
+
+# ---------------------------------------------------------------- server -> client
+
+
+@dataclass(frozen=True)
+class VideoStart:
+    """`video.start`: the session was accepted and is starting."""
+
+    request_id: str
+    config: Mapping[str, Any]
+    format: str = FORMAT_M4S
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "video.start", "request_id": self.request_id, "format": self.format,
+                "config": dict(self.config)}
+
+
+@dataclass(frozen=True)
+class ChunkMetadata:
+    """`video.chunk_metadata`: describes the binary frame sent right after it."""
+
+    request_id: str
+    kind: str
+    transport_chunk_index: int
+    generation_chunk_index: int
+    request_index: int
+    phase_index: int
+    num_frames: int
+    num_audio_samples: int
+    audio_sample_rate: int
+    byte_length: int
+    started_event_ids: tuple[str, ...]
+    active_event_ids: tuple[str, ...]
+    completed_event_ids: tuple[str, ...]
+    timings: Mapping[str, float]
+
+    def __post_init__(self) -> None:
+        if self.byte_length <= 0:
+            raise ValueError(f"ChunkMetadata.byte_length={self.byte_length} must be > 0")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": "video.chunk_metadata", "request_id": self.request_id, "kind": self.kind,
+            "transport_chunk_index": self.transport_chunk_index,
+            "generation_chunk_index": self.generation_chunk_index,
+            "request_index": self.request_index, "phase_index": self.phase_index,
+            "num_frames": self.num_frames, "num_audio_samples": self.num_audio_samples,
+            "audio_sample_rate": self.audio_sample_rate, "byte_length": self.byte_length,
+            "started_event_ids": list(self.started_event_ids),
+            "active_event_ids": list(self.active_event_ids),
+            "completed_event_ids": list(self.completed_event_ids),
+            "timings": dict(self.timings),
+        }
+
+
+@dataclass(frozen=True)
+class InteractionQueued:
+    """`session.interaction.queued`: the prompt update was accepted for a later boundary."""
+
+    request_id: str
+    event_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "session.interaction.queued", "request_id": self.request_id,
+                "event_id": self.event_id}
+
+
+@dataclass(frozen=True)
+class SessionQueued:
+    """`session.queued`: waiting for a free slot; position 1 is next."""
+
+    request_id: str
+    position: int
+
+    def __post_init__(self) -> None:
+        if self.position < 1:
+            raise ValueError(f"SessionQueued.position={self.position} must be >= 1")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "session.queued", "request_id": self.request_id, "position": self.position}
+
+
+@dataclass(frozen=True)
+class Pong:
+    """`session.pong`: reply to `session.ping`."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "session.pong"}
+
+
+@dataclass(frozen=True)
+class SessionDone:
+    """`session.done`: the session ended; `chunks` binary frames were sent."""
+
+    request_id: str
+    chunks: int
+    stopped: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "session.done", "request_id": self.request_id, "chunks": self.chunks,
+                "stopped": self.stopped}
+
+
+@dataclass(frozen=True)
+class ErrorMessage:
+    """`error`: something was rejected or failed."""
+
+    code: ErrorCode
+    message: str
+    event_id: str | None = None
+    request_id: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"type": "error", "code": self.code.value, "message": self.message}
+        if self.event_id is not None:
+            wire["event_id"] = self.event_id
+        if self.request_id is not None:
+            wire["request_id"] = self.request_id
+        return wire
+
+
+ServerMessage = Union[
+    VideoStart, ChunkMetadata, InteractionQueued, SessionQueued, Pong, SessionDone, ErrorMessage
+]

@@ -1,0 +1,250 @@
+"""aiohttp transport: `/v1/realtime/video` websocket, `/healthz`, `/metrics` and the browser page.
+
+Knows nothing about how chunks are generated: it reads frames, parses them with `protocol`,
+drives `service.Session`, and writes what the session emits. Which errors close the connection is
+documented in `protocol`'s module docstring and decided here.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+from aiohttp import WSCloseCode, WSMsgType, web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from services.gateway.config import GatewayConfig
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.pipeline import Pipeline
+from services.gateway.protocol import (
+    ChunkMetadata,
+    ErrorCode,
+    ErrorMessage,
+    MessageLimits,
+    Pong,
+    ProtocolError,
+    ServerMessage,
+    SessionInteraction,
+    SessionPing,
+    SessionStart,
+    SessionStop,
+    parse_client_text,
+)
+from services.gateway.service import ClientGone, Outcome, Session, SessionService
+
+logger = logging.getLogger(__name__)
+
+REALTIME_PATH = "/v1/realtime/video"
+SERVICE_KEY = web.AppKey("session_service", SessionService)
+CONFIG_KEY = web.AppKey("gateway_config", GatewayConfig)
+REGISTRY_KEY = web.AppKey("metrics_registry", CollectorRegistry)
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+# Errors about a frame that is not recognisably a session.start keep a not-yet-started
+# connection open (the start timer keeps running); every other pre-start error closes it.
+_PRESTART_KEEP_OPEN = {
+    ErrorCode.INVALID_JSON, ErrorCode.BINARY_NOT_ALLOWED, ErrorCode.UNKNOWN_TYPE,
+    ErrorCode.SESSION_NOT_STARTED,
+}
+# Once a session runs, message errors never close the connection.
+_CLOSE_CODES = {
+    ErrorCode.QUEUE_FULL: WSCloseCode.TRY_AGAIN_LATER,
+    ErrorCode.MESSAGE_TOO_LARGE: WSCloseCode.MESSAGE_TOO_BIG,
+}
+
+
+def create_app(config: GatewayConfig, pipeline: Pipeline,
+               registry: CollectorRegistry | None = None) -> web.Application:
+    """Build the gateway's aiohttp application (metrics go to `registry`, a fresh one if None)."""
+    registry = registry if registry is not None else CollectorRegistry()
+    service = SessionService(config, pipeline, GatewayMetrics(registry))
+    app = web.Application()
+    app[SERVICE_KEY] = service
+    app[CONFIG_KEY] = config
+    app[REGISTRY_KEY] = registry
+    static_dir = Path(config.static_dir) if config.static_dir else STATIC_DIR
+    index = static_dir / "index.html"
+
+    async def index_page(_request: web.Request) -> web.FileResponse:
+        return web.FileResponse(index)
+
+    app.router.add_get("/", index_page)
+    app.router.add_static("/static/", static_dir)
+    app.router.add_get(REALTIME_PATH, realtime_video)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Answer 200 with occupancy when the backend is serving, 503 otherwise."""
+    report = await request.app[SERVICE_KEY].health()
+    return web.json_response(report, status=200 if report["ok"] else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Expose the Prometheus registry."""
+    body = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def realtime_video(request: web.Request) -> web.WebSocketResponse:
+    """Serve one realtime session over a websocket."""
+    config = request.app[CONFIG_KEY]
+    ws = web.WebSocketResponse(max_msg_size=config.max_frame_bytes)
+    await ws.prepare(request)
+    connection = _Connection(ws, request.app[SERVICE_KEY], config)
+    try:
+        await connection.serve()
+    finally:
+        if not ws.closed:
+            await ws.close()
+    return ws
+
+
+class _WebSocketSink:
+    """MessageSink over one websocket; a lock keeps metadata and its bytes adjacent."""
+
+    def __init__(self, ws: web.WebSocketResponse) -> None:
+        self._ws = ws
+        self._lock = asyncio.Lock()
+
+    async def send(self, message: ServerMessage) -> None:
+        async with self._lock:
+            await self._send_text(message)
+
+    async def send_media(self, metadata: ChunkMetadata, data: bytes) -> None:
+        async with self._lock:
+            await self._send_text(metadata)
+            try:
+                await self._ws.send_bytes(data)
+            except (ConnectionError, RuntimeError) as exc:
+                raise ClientGone(str(exc)) from None
+
+    async def _send_text(self, message: ServerMessage) -> None:
+        if self._ws.closed:
+            raise ClientGone("websocket closed")
+        try:
+            await self._ws.send_str(json.dumps(message.to_wire()))
+        except (ConnectionError, RuntimeError) as exc:
+            raise ClientGone(str(exc)) from None
+
+
+class _Connection:
+    """One websocket: waits for session.start, then runs the session and reads control frames."""
+
+    def __init__(self, ws: web.WebSocketResponse, service: SessionService, config: GatewayConfig) -> None:
+        self._ws = ws
+        self._service = service
+        self._config = config
+        self._sink = _WebSocketSink(ws)
+        self._limits = MessageLimits(config.max_start_bytes, config.max_interaction_bytes,
+                                     config.max_prompt_chars)
+
+    async def serve(self) -> None:
+        session = await self._await_start()
+        if session is None:
+            return
+        run = asyncio.create_task(session.run())
+        reader = asyncio.create_task(self._read_session_frames(session))
+        try:
+            await asyncio.wait({run, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if run.done():
+                outcome = run.result()
+                code = WSCloseCode.OK if outcome in (Outcome.COMPLETED, Outcome.STOPPED) else (
+                    WSCloseCode.INTERNAL_ERROR)
+                await self._ws.close(code=code)
+                await reader
+            else:
+                logger.info("session %s: client disconnected", session.request_id)
+        finally:
+            # The client went away (or aiohttp cancelled this handler because the transport was
+            # lost): cancelling run() cancels the backend session and frees the slot.
+            for task in (run, reader):
+                task.cancel()
+            await asyncio.gather(run, reader, return_exceptions=True)
+            session.abandon()
+
+    async def _await_start(self) -> Session | None:
+        """Handle frames until a session starts; None when the connection ended instead."""
+        deadline = time.monotonic() + self._config.start_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                msg = await self._ws.receive(timeout=remaining)
+            except asyncio.TimeoutError:
+                await self._reject(ProtocolError(
+                    ErrorCode.START_TIMEOUT,
+                    f"no session.start within {self._config.start_timeout_s:g} s"))
+                return None
+            if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+                return None
+            try:
+                message = self._parse(msg)
+                if isinstance(message, SessionStart):
+                    return self._service.open(message, self._sink)
+                if isinstance(message, SessionPing):
+                    await self._sink.send(Pong())
+                else:
+                    raise ProtocolError(
+                        ErrorCode.SESSION_NOT_STARTED,
+                        f"{type(message).TYPE} before session.start; send session.start first")
+            except ProtocolError as exc:
+                if exc.code in _PRESTART_KEEP_OPEN:
+                    await self._send_error(exc)
+                else:
+                    await self._reject(exc)
+                    return None
+            except ClientGone:
+                return None
+
+    async def _read_session_frames(self, session: Session) -> None:
+        """Handle control frames while the session runs; return when the socket closes."""
+        while True:
+            msg = await self._ws.receive()
+            if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+                return
+            try:
+                message = self._parse(msg)
+                if isinstance(message, SessionStart):
+                    raise ProtocolError(
+                        ErrorCode.SESSION_ALREADY_STARTED,
+                        f"session {session.request_id} is already running; one session per connection")
+                if isinstance(message, SessionPing):
+                    session.ping()
+                    await self._sink.send(Pong())
+                elif isinstance(message, SessionStop):
+                    session.stop()
+                elif isinstance(message, SessionInteraction):
+                    session.interact(message)
+            except ProtocolError as exc:
+                await self._send_error(exc, request_id=session.request_id)
+            except ClientGone:
+                return
+
+    def _parse(self, msg) -> object:
+        if msg.type == WSMsgType.BINARY:
+            raise ProtocolError(ErrorCode.BINARY_NOT_ALLOWED,
+                                "binary frames are server-to-client only; send JSON text")
+        if msg.type != WSMsgType.TEXT:
+            raise ProtocolError(ErrorCode.INVALID_JSON, f"unexpected websocket frame {msg.type!r}")
+        return parse_client_text(msg.data, self._limits)
+
+    async def _send_error(self, exc: ProtocolError, *, request_id: str | None = None) -> None:
+        self._service.metrics.errors_total.labels(code=exc.code.value).inc()
+        await self._sink.send(ErrorMessage(exc.code, exc.message, event_id=exc.event_id,
+                                           request_id=request_id))
+
+    async def _reject(self, exc: ProtocolError) -> None:
+        """Send the error, then close the connection with a matching close code."""
+        logger.info("rejecting connection: %s", exc)
+        try:
+            await self._send_error(exc)
+        except ClientGone:
+            return
+        await self._ws.close(code=_CLOSE_CODES.get(exc.code, WSCloseCode.POLICY_VIOLATION),
+                             message=exc.code.value.encode())

@@ -1,0 +1,142 @@
+"""Phase-by-phase video and audio decoding with temporal context carried between calls.
+
+Knows nothing about the DiT, gRPC or muxing: it receives each streaming phase's normalised latents and returns
+that phase's frames / samples, keeping just enough context from earlier phases.
+
+Video geometry (from `AutoencoderKLMiniMaxH3._decode`, clip_length 17, token_drop 3, 4x temporal): a decode walks
+clips of `tokens_chunk_size + token_overlap` = 5 + 2 latents starting every 5 latents. The first 5 latents of a clip
+give 17 frames (1 + 4 + 4 + 4 + 4; the first latent's 3 leading frames are the encoder's implicit pre-padding) and
+the 2 overlap latents give `frame_overlap` = 5 frames (1 + 4) that are cross-faded with the head of the next clip.
+Each clip is decoded independently (full attention inside the clip only), so a decode is clip-local.
+
+Streaming uses the same rule as TaoMate-H3's per-request "transport prefix": every call after the first prepends
+the previous call's last `token_overlap` (2) latents, decodes with diffusers and drops the `frame_overlap` (5)
+frames those latents produce. The first call must hold 2 + 5k latents (request 0 phase 0: 12 -> 39 frames), later
+calls 5k latents (10 -> 34, 5 -> 17). Every frame then equals the whole-clip diffusers decode bit for bit except the
+5 frames just before each call boundary: the whole decode cross-fades them with the next clip's head, which needs
+latents that have not been generated yet, so here they are the earlier clip's own decode (the cut the official
+runtime also makes between requests).
+
+Audio: the BigVGAN decoder is a stack of non-causal convolutions. Each call decodes
+`[last context_latents of earlier calls | new latents | last new latent repeated pad_latents times]` and returns only
+the new part. With a context at least the decoder's left receptive radius every sample matches the whole decode
+except those within the right radius of the call's end, which a whole decode computes from latents that do not exist
+yet. The repeated-latent padding stands in for them and keeps the decoder's own end-of-signal edge effect out of
+every phase boundary: on tiny random weights the peak boundary error drops from 0.15 to 0.04 full scale with it
+(RMS about 7% of the signal inside the last radius of each phase, exact elsewhere).
+"""
+from __future__ import annotations
+
+import torch
+
+from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, to_uint8
+
+# Sample radius of one anti-aliased activation (2x up, Kaiser-sinc kernel 12, 2x down), at the block's rate.
+_ACTIVATION_RADIUS = 6
+
+
+def audio_receptive_radius(config) -> int:
+    """Return an upper bound, in latents, of how far one latent influences the decoded waveform (either side)."""
+    radius = 3.0  # dec_in_proj is 1x1, BigVGAN conv_pre has kernel 7
+    samples_per_latent = 1
+    for rate, kernel in zip(config.decoder_rates, config.decoder_kernel_sizes):
+        radius += -(-kernel // rate) / samples_per_latent  # transposed conv, in input samples
+        samples_per_latent *= rate
+        block = max(
+            sum(2 * _ACTIVATION_RADIUS + d * (k - 1) // 2 + (k - 1) // 2 for d in dilations)
+            for k, dilations in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes))
+        radius += block / samples_per_latent
+    radius += (_ACTIVATION_RADIUS + 3) / samples_per_latent  # activation_post + conv_post (kernel 7)
+    return int(radius) + 1
+
+
+class IncrementalVideoDecoder:
+    """Decode one phase of video latents at a time; see the module docstring for the context rule."""
+
+    def __init__(self, decoder: VideoDecoder) -> None:
+        self.decoder = decoder
+        vae = decoder.vae
+        self.clip_latents = vae.tokens_chunk_size
+        """New latents per 17-frame clip (5)."""
+        self.context_latents = vae.token_overlap
+        """Latents carried into the next call (2)."""
+        self.context_frames = vae.frame_overlap
+        """Frames the carried latents decode to, dropped from the next call's output (5)."""
+        self._context: torch.Tensor | None = None  # [2, 24, h, w] of the previous call
+
+    def reset(self) -> None:
+        """Forget the carried context; the next call starts a new stream."""
+        self._context = None
+
+    def expected_frames(self, num_latents: int) -> int:
+        """Return the frames the next `decode` of `num_latents` latents will return, or raise InvalidLatents."""
+        if self._context is None:
+            return self.decoder.num_frames(num_latents)
+        if num_latents < self.clip_latents or num_latents % self.clip_latents:
+            raise InvalidLatents(
+                f"after the first phase each phase must hold a multiple of {self.clip_latents} video latents "
+                f"(5 latents = 17 frames), got {num_latents}")
+        return self.decoder.num_frames(num_latents + self.context_latents) - self.context_frames
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one phase `[F, 24, h, w]` to uint8 frames `[N, H, W, 3]`."""
+        return to_uint8(self.decode_pixels(latents))
+
+    @torch.inference_mode()
+    def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one phase `[F, 24, h, w]` to float RGB `[N, H, W, 3]` in [0, 1]."""
+        self.decoder.validate(latents)
+        num_frames = self.expected_frames(latents.shape[0])
+        latents = latents.to(self.decoder.device, torch.float32)
+        if self._context is not None:
+            if self._context.shape[1:] != latents.shape[1:]:
+                raise InvalidLatents(
+                    f"video latent grid changed mid-stream: {tuple(self._context.shape[1:])} -> "
+                    f"{tuple(latents.shape[1:])}; call reset() for a new canvas")
+            latents = torch.cat([self._context, latents])  # latents: [2 + F, 24, h, w]
+        frames = self.decoder.decode_pixels(latents)  # frames: [N(+5), H, W, 3]
+        if self._context is not None:
+            frames = frames[self.context_frames:]
+        self._context = latents[-self.context_latents:].clone()
+        if frames.shape[0] != num_frames:  # a geometry mismatch would silently shift the timeline
+            raise RuntimeError(f"video decode returned {frames.shape[0]} frames, expected {num_frames}")
+        return frames
+
+
+class IncrementalAudioDecoder:
+    """Decode one phase of stereo audio latents at a time with left context and right padding."""
+
+    def __init__(self, decoder: AudioDecoder, context_latents: int | None = None,
+                 pad_latents: int | None = None) -> None:
+        radius = audio_receptive_radius(decoder.vae.config)
+        self.context_latents = radius if context_latents is None else context_latents
+        """Latents of earlier phases decoded again in front of each phase (default: the receptive radius)."""
+        self.pad_latents = radius if pad_latents is None else pad_latents
+        """Copies of the phase's last latent appended behind it and decoded, then dropped (default: the radius)."""
+        if self.context_latents < 0 or self.pad_latents < 0:
+            raise ValueError(f"context_latents and pad_latents must be >= 0, got "
+                             f"{self.context_latents} and {self.pad_latents}")
+        self.decoder = decoder
+        self._context: torch.Tensor | None = None  # [2, <=K, 32]
+
+    def reset(self) -> None:
+        """Forget the carried context; the next call starts a new stream."""
+        self._context = None
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one phase `[2, A, 32]` to float32 `[2, A * 800]` in [-1, 1]."""
+        self.decoder.validate(latents)
+        latents = latents.to(self.decoder.device, torch.float32)
+        num_new = latents.shape[1]
+        num_context = 0 if self._context is None else self._context.shape[1]
+        parts = [latents, latents[:, -1:].expand(-1, self.pad_latents, -1)]
+        if num_context:
+            parts.insert(0, self._context)
+        wave = self.decoder.decode(torch.cat(parts, dim=1))  # wave: [2, (K + A + P) * hop]
+        if self.context_latents:
+            history = latents if self._context is None else torch.cat([self._context, latents], dim=1)
+            self._context = history[:, -self.context_latents:].clone()
+        hop = self.decoder.hop_length
+        return wave[:, num_context * hop:(num_context + num_new) * hop]

@@ -1,0 +1,203 @@
+"""MiniMax-H3 video and audio VAE decoders: presets and latent -> media wrappers around `diffusers`.
+
+Knows nothing about streaming state, muxing or gRPC. The networks are the `diffusers` classes
+`AutoencoderKLMiniMaxH3` (causal CNN encoder, non-causal ViT decoder over 17-frame clips; 16x spatial, 4x temporal,
+24 latent channels) and `AutoencoderKLMiniMaxH3Audio` (BigVGAN decoder, 40 Hz latents -> 32 kHz mono, each stereo
+channel decoded as one batch row). This file adds the named presets, the per-channel latent denormalisation
+(`z * std + mean`, from each model's config), the pixel post-processing (ImageNet de-normalisation, clamp, uint8) and
+input validation.
+"""
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+VIDEO_LATENT_CHANNELS = 24
+AUDIO_LATENT_CHANNELS = 32
+AUDIO_CHANNELS = 2
+# The video decoder emits ImageNet-normalised RGB over a [0, 1] base range.
+_IMAGENET_MEAN = (0.485, 0.456, 0.406)
+_IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Per-channel latent statistics of the released checkpoints (vae/config.json, audio_vae/config.json).
+_VIDEO_LATENTS_MEAN = (
+    0.85809034, -0.96065915, 1.06616402, -0.50903255, -0.27275819, -1.36754143, -0.2553255, -0.26907554,
+    -0.53768408, -0.04640973, 0.66573703, 0.19690128, -0.5460608, -0.4035342, -0.23683025, 0.25928453,
+    -0.30133945, 0.21134199, -1.12068486, 0.35819334, -0.04225144, 0.260483, 0.22864093, 0.70560318)
+_VIDEO_LATENTS_STD = (
+    1.22237742, 1.27672637, 1.68317747, 1.75494552, 1.56362164, 2.19414353, 0.96531379, 1.0569886,
+    0.84194893, 0.77299529, 1.89559376, 0.94684184, 0.79968095, 0.449889, 0.71973997, 0.69362932,
+    2.96109509, 2.76941991, 3.04961848, 2.10880542, 3.27622628, 3.1627357, 2.2816813, 2.61278439)
+_AUDIO_LATENTS_MEAN = (
+    -0.02021169, 0.38764665, -0.0439828, -0.28591515, 0.08179686, -0.35782641, 0.04062381, -0.01552535,
+    -0.22336248, 0.18210068, 0.29417788, -0.07901168, -0.05681507, -0.36990282, -0.31616316, 0.59059514,
+    -0.05213957, 0.01367316, -0.03691648, 0.09732661, -0.33946623, -0.30685678, -0.24504599, -0.03469852,
+    0.02868032, -0.21217779, -0.16782632, 0.32212879, -0.12230559, 0.43566049, -0.05025992, 0.39792584)
+_AUDIO_LATENTS_STD = (
+    1.68955242, 2.76263727, 1.79453443, 1.68016818, 1.63902265, 2.77882983, 1.76590901, 1.61997576,
+    2.63365256, 1.85393567, 2.50564979, 1.81101924, 1.95796578, 1.66854982, 1.49224693, 3.2986702,
+    1.94918045, 1.87200033, 1.83340801, 1.64880704, 1.61769577, 1.91314492, 1.56952454, 1.69436599,
+    1.83184208, 1.55406374, 1.93449303, 1.59919822, 1.71804599, 1.63072192, 1.86612261, 1.56137682)
+
+# Constructor kwargs of AutoencoderKLMiniMaxH3. `full` is the released vae/config.json; `tiny` keeps the
+# geometry (16x spatial, 4x temporal, 17-frame clips, 24 channels) and shrinks every width and depth.
+VIDEO_PRESETS: dict[str, dict] = {
+    "full": dict(
+        in_channels=3, out_channels=3, latent_channels=24, block_out_channels=(128, 256, 256, 512, 512, 1024),
+        layers_per_block=2, spatial_downsample_factors=(2, 2, 2, 2, 1, 1),
+        temporal_downsample_factors=(1, 2, 2, 1, 1, 1), norm_num_groups=32, norm_eps=1e-6,
+        spatial_padding_mode="reflect", decoder_num_layers=36, decoder_num_attention_heads=32,
+        decoder_attention_head_dim=64, decoder_num_register_tokens=4, decoder_ffn_mult=4,
+        decoder_rope_theta=100.0, decoder_rope_dim_ratio=0.75, decoder_norm_eps=1e-5, clip_length=17,
+        token_drop=3, latents_mean=_VIDEO_LATENTS_MEAN, latents_std=_VIDEO_LATENTS_STD),
+    "tiny": dict(
+        in_channels=3, out_channels=3, latent_channels=24, block_out_channels=(8, 8, 16, 16, 16, 16),
+        layers_per_block=1, spatial_downsample_factors=(2, 2, 2, 2, 1, 1),
+        temporal_downsample_factors=(1, 2, 2, 1, 1, 1), norm_num_groups=4, norm_eps=1e-6,
+        spatial_padding_mode="reflect", decoder_num_layers=2, decoder_num_attention_heads=2,
+        decoder_attention_head_dim=16, decoder_num_register_tokens=4, decoder_ffn_mult=2,
+        decoder_rope_theta=100.0, decoder_rope_dim_ratio=0.75, decoder_norm_eps=1e-5, clip_length=17,
+        token_drop=3, latents_mean=_VIDEO_LATENTS_MEAN, latents_std=_VIDEO_LATENTS_STD),
+}
+# Constructor kwargs of AutoencoderKLMiniMaxH3Audio; `tiny` keeps the 800x hop (40 Hz -> 32 kHz) and 32 channels.
+AUDIO_PRESETS: dict[str, dict] = {
+    "full": dict(
+        encoder_dim=64, encoder_rates=(2, 4, 4, 5, 5), latent_dim=2048, latent_channels=32, decoder_dim=1024,
+        decoder_rates=(5, 5, 2, 2, 2, 2, 2), decoder_kernel_sizes=(9, 9, 4, 4, 4, 4, 4), num_attention_heads=8,
+        resblock_kernel_sizes=(3, 7, 11), resblock_dilation_sizes=((1, 3, 5), (1, 3, 5), (1, 3, 5)),
+        sampling_rate=32000, latents_mean=list(_AUDIO_LATENTS_MEAN), latents_std=list(_AUDIO_LATENTS_STD)),
+    "tiny": dict(
+        encoder_dim=4, encoder_rates=(2, 4, 4, 5, 5), latent_dim=64, latent_channels=32, decoder_dim=128,
+        decoder_rates=(5, 5, 2, 2, 2, 2, 2), decoder_kernel_sizes=(9, 9, 4, 4, 4, 4, 4), num_attention_heads=2,
+        resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1, 3),),
+        sampling_rate=32000, latents_mean=list(_AUDIO_LATENTS_MEAN), latents_std=list(_AUDIO_LATENTS_STD)),
+}
+
+
+class InvalidLatents(ValueError):
+    """Latents handed to a decoder have the wrong rank, channel count, length or values."""
+
+
+def _preset(table: dict[str, dict], name: str, what: str) -> dict:
+    if name not in table:
+        raise ValueError(f"unknown {what} preset {name!r}; known presets: {sorted(table)}")
+    return dict(table[name])
+
+
+def build_video_vae(preset: str) -> AutoencoderKLMiniMaxH3:
+    """Construct the video VAE of `preset` with the library's default initialisation (CPU, float32)."""
+    return AutoencoderKLMiniMaxH3(**_preset(VIDEO_PRESETS, preset, "video VAE"))
+
+
+def build_audio_vae(preset: str) -> AutoencoderKLMiniMaxH3Audio:
+    """Construct the audio VAE of `preset` with the library's default initialisation (CPU, float32)."""
+    return AutoencoderKLMiniMaxH3Audio(**_preset(AUDIO_PRESETS, preset, "audio VAE"))
+
+
+class VideoDecoder:
+    """Normalised video latents `[F, 24, h, w]` -> RGB frames, one whole-clip diffusers decode per call."""
+
+    def __init__(self, vae: AutoencoderKLMiniMaxH3) -> None:
+        self.vae = vae.eval()
+        param = next(vae.parameters())
+        self.device = param.device
+        stats = dict(device=self.device, dtype=torch.float32)
+        # mean/std: [1, C, 1, 1, 1] for the [B, C, F, h, w] diffusers layout.
+        self._mean = torch.tensor(vae.config.latents_mean, **stats).view(1, -1, 1, 1, 1)
+        self._std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1, 1, 1)
+        self._rgb_mean = torch.tensor(_IMAGENET_MEAN, **stats).view(1, 1, 1, 3)
+        self._rgb_std = torch.tensor(_IMAGENET_STD, **stats).view(1, 1, 1, 3)
+
+    @property
+    def spatial_ratio(self) -> int:
+        return self.vae.spatial_compression_ratio
+
+    @property
+    def temporal_ratio(self) -> int:
+        return self.vae.temporal_compression_ratio
+
+    def num_frames(self, num_latents: int) -> int:
+        """Return how many pixel frames a whole-clip decode of `num_latents` latents yields."""
+        clip, overlap = self.vae.tokens_chunk_size, self.vae.token_overlap
+        groups, rest = divmod(num_latents - overlap, clip)
+        if rest or groups < 1:
+            raise InvalidLatents(
+                f"video decode needs {overlap} + {clip}k latent frames (k >= 1), got {num_latents}")
+        return groups * self.vae.config.clip_length + self.vae.frame_overlap
+
+    def validate(self, latents: torch.Tensor) -> None:
+        """Raise InvalidLatents unless `latents` is a finite `[F, 24, h, w]` tensor with a decodable F."""
+        channels = self.vae.config.latent_channels
+        if not isinstance(latents, torch.Tensor) or latents.ndim != 4:
+            shape = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+            raise InvalidLatents(f"video latents must be [F, {channels}, h, w], got {shape}")
+        if latents.shape[1] != channels:
+            raise InvalidLatents(
+                f"video latents must have {channels} channels on dim 1, got shape {tuple(latents.shape)}")
+        if min(latents.shape[2:]) < 1:
+            raise InvalidLatents(f"video latents have an empty spatial grid: {tuple(latents.shape)}")
+        if not latents.is_floating_point() or not torch.isfinite(latents).all():
+            raise InvalidLatents("video latents must be finite floating-point values")
+
+    @torch.inference_mode()
+    def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode normalised latents `[F, 24, h, w]` to float RGB `[N, H, W, 3]` in [0, 1]."""
+        self.validate(latents)
+        self.num_frames(latents.shape[0])
+        # z: [1, C, F, h, w], denormalised per channel.
+        z = latents.to(self.device, torch.float32).permute(1, 0, 2, 3)[None] * self._std + self._mean
+        sample = self.vae.decode(z).sample  # sample: [1, 3, N, H, W]
+        rgb = sample[0].permute(1, 2, 3, 0).float()  # rgb: [N, H, W, 3]
+        return (rgb * self._rgb_std + self._rgb_mean).clamp_(0.0, 1.0)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode normalised latents `[F, 24, h, w]` to uint8 frames `[N, H, W, 3]` on the CPU."""
+        return to_uint8(self.decode_pixels(latents))
+
+
+def to_uint8(rgb: torch.Tensor) -> torch.Tensor:
+    """Quantise float RGB in [0, 1] to uint8 on the CPU."""
+    return (rgb * 255.0).round_().to(torch.uint8).cpu()
+
+
+class AudioDecoder:
+    """Normalised stereo audio latents `[2, A, 32]` -> float32 waveform `[2, A * 800]` in [-1, 1]."""
+
+    def __init__(self, vae: AutoencoderKLMiniMaxH3Audio) -> None:
+        self.vae = vae.eval()
+        self.device = next(vae.parameters()).device
+        stats = dict(device=self.device, dtype=torch.float32)
+        # mean/std: [1, C, 1] for the [B, C, A] diffusers layout.
+        self._mean = torch.tensor(vae.config.latents_mean, **stats).view(1, -1, 1)
+        self._std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1)
+
+    @property
+    def hop_length(self) -> int:
+        return self.vae.hop_length
+
+    @property
+    def sample_rate(self) -> int:
+        return self.vae.config.sampling_rate
+
+    def validate(self, latents: torch.Tensor) -> None:
+        """Raise InvalidLatents unless `latents` is a finite `[2, A, 32]` tensor with A >= 1."""
+        channels = self.vae.config.latent_channels
+        if not isinstance(latents, torch.Tensor) or latents.ndim != 3:
+            shape = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+            raise InvalidLatents(f"audio latents must be [{AUDIO_CHANNELS}, A, {channels}], got {shape}")
+        if latents.shape[0] != AUDIO_CHANNELS or latents.shape[2] != channels:
+            raise InvalidLatents(f"audio latents must be [{AUDIO_CHANNELS}, A, {channels}] (stereo, A latents, "
+                                 f"{channels} channels), got {tuple(latents.shape)}")
+        if latents.shape[1] < 1:
+            raise InvalidLatents("audio latents are empty (A = 0)")
+        if not latents.is_floating_point() or not torch.isfinite(latents).all():
+            raise InvalidLatents("audio latents must be finite floating-point values")
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode `[2, A, 32]` to float32 `[2, A * hop]` on the CPU; each channel is decoded as mono."""
+        self.validate(latents)
+        # z: [2, C, A], one stereo channel per batch row, denormalised per latent channel.
+        z = latents.to(self.device, torch.float32).transpose(1, 2) * self._std + self._mean
+        wave = self.vae.decode(z).sample  # wave: [2, 1, A * hop]
+        return wave[:, 0].float().cpu()

@@ -1,0 +1,127 @@
+"""VAE stage core: per session, decode each phase's latents incrementally and mux them into one fMP4 chunk.
+
+Protocol-neutral (no gRPC). The decoder models are loaded once and shared; each session owns its own
+incremental decoders (temporal context) and its own muxer (one H.264 + AAC timeline).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.config import Profile
+from services.common.errors import InvalidInput, NotReady
+from services.common.grpc_server import Stage
+from services.vae.checkpoint import load_audio_vae, load_video_vae
+from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
+from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder
+from services.vae.mux import FragmentedMP4Muxer
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 32000
+
+
+@dataclass(frozen=True)
+class Chunk:
+    data: bytes
+    """fMP4 bytes of one phase (the init segment is prepended on the first chunk)."""
+    num_frames: int
+    num_audio_samples: int
+    video_decode_seconds: float
+    audio_decode_seconds: float
+    mux_seconds: float
+
+
+class DecodeSession:
+    """One stream's decoders and muxer; `phase()` is called once per DiT phase, in order."""
+
+    def __init__(self, video: VideoDecoder, audio: AudioDecoder, width: int, height: int, fps: int,
+                 sample_rate: int, x264_preset: str, lock: threading.Lock):
+        if sample_rate != audio.sample_rate:
+            raise InvalidInput(f"sample_rate={sample_rate}: the audio decoder produces {audio.sample_rate} Hz")
+        if width % video.spatial_ratio or height % video.spatial_ratio:
+            raise InvalidInput(f"canvas {width}x{height}: sides must be multiples of {video.spatial_ratio}")
+        self.width, self.height = width, height
+        self.video = IncrementalVideoDecoder(video)
+        self.audio = IncrementalAudioDecoder(audio)
+        self.mux = FragmentedMP4Muxer(width, height, fps=fps, sample_rate=sample_rate,
+                                      codec_options={"preset": x264_preset})
+        self._lock = lock
+
+    def phase(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> Chunk:
+        """Decode one phase ([F, 24, h, w] video, [2, A, 32] audio latents) and mux it."""
+        # video_latents: [F, 24, h, w]; the latent grid must match the canvas.
+        expected = (self.height // self.video.decoder.spatial_ratio, self.width // self.video.decoder.spatial_ratio)
+        if video_latents.ndim == 4 and tuple(video_latents.shape[2:]) != expected:
+            raise InvalidInput(f"video latents grid {tuple(video_latents.shape[2:])} does not match the "
+                               f"{self.width}x{self.height} canvas (expected {expected})")
+        try:
+            with self._lock:  # one decode at a time on the shared device
+                t0 = time.perf_counter()
+                frames = self.video.decode(video_latents)  # [N, H, W, 3] uint8
+                t1 = time.perf_counter()
+                samples = self.audio.decode(audio_latents)  # [2, S] float32
+                t2 = time.perf_counter()
+        except InvalidLatents as exc:
+            raise InvalidInput(str(exc)) from None
+        data = self.mux.encode(frames.numpy(), samples.numpy())
+        t3 = time.perf_counter()
+        return Chunk(data=data, num_frames=frames.shape[0], num_audio_samples=samples.shape[1],
+                     video_decode_seconds=t1 - t0, audio_decode_seconds=t2 - t1, mux_seconds=t3 - t2)
+
+
+class VAEService:
+    """Owns the shared video and audio decoders of one process."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self.video: VideoDecoder | None = None
+        self.audio: AudioDecoder | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Load both decoders from the checkpoint tree."""
+        cfg = self.profile.vae
+        root = pathlib.Path(self.profile.model.dir) / "MiniMax-H3"
+        dtype = getattr(torch, cfg.dtype)
+        self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype))
+        self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
+        log.info("VAE loaded on %s (%s)", cfg.device, cfg.dtype)
+
+    def warmup(self) -> None:
+        """Decode one short phase so kernels and the encoders are ready."""
+        ratio = self.video.spatial_ratio
+        session = self.open(4 * ratio, 4 * ratio, 24, SAMPLE_RATE)
+        session.phase(torch.zeros(12, self.video.vae.config.latent_channels, 4, 4),
+                      torch.zeros(2, 65, self.audio.vae.config.latent_channels))
+
+    def open(self, width: int, height: int, fps: int, sample_rate: int) -> DecodeSession:
+        """Start one stream's decoders and muxer."""
+        if self.video is None:
+            raise NotReady("the VAE is still loading")
+        return DecodeSession(self.video, self.audio, width, height, fps, sample_rate,
+                             self.profile.vae.x264_preset, self._lock)
+
+
+class VAEStage(Stage):
+    health_name = "vitascope.vae.v1.VAE"
+
+    def __init__(self, profile: Profile):
+        self.service = VAEService(profile)
+
+    def start(self) -> None:
+        self.service.start()
+
+    def warmup(self) -> None:
+        self.service.warmup()
+
+    def add_to_server(self, server) -> None:
+        from services.vae.grpc_server import VAEServicer
+        from vitascope.vae.v1 import vae_pb2_grpc
+
+        vae_pb2_grpc.add_VAEServicer_to_server(VAEServicer(self.service), server)

@@ -1,0 +1,125 @@
+"""Streaming runtime: cancellation releases KV and the session slot; a fault mid-commit leaves KV untouched."""
+
+import pytest
+import torch
+
+from services.common.errors import NoCapacity
+from services.dit.api import InvalidCanvas, PromptUpdate, RuntimeConfig, SessionCancelled, SessionClosed, SessionConfig
+from services.dit.lora import LoRAAdapter, write_random_adapter
+from services.dit.model import PRESETS, build_random
+from services.dit.runtime import DiTRuntime
+
+pytestmark = pytest.mark.cpu
+
+ARGS = PRESETS["tiny"]
+CONFIG = SessionConfig(seed=5, width=96, height=64)
+
+
+def make_runtime(adapter_dir) -> DiTRuntime:
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    return DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16),
+                      LoRAAdapter.load(model, adapter_dir))
+
+
+def prompt() -> PromptUpdate:
+    return PromptUpdate(torch.randn(5, ARGS.text_dim, generator=torch.Generator().manual_seed(1)), "e0")
+
+
+def hook_forward(model, hook):
+    """Call hook(n, heads, attention) before every forward; it may return a replacement attention."""
+    inner, calls = model.forward, []
+
+    def wrapped(video, audio, text, layout, attention, heads=True):
+        calls.append(heads)
+        attention = hook(len(calls), heads, attention) or attention
+        return inner(video, audio, text, layout, attention, heads=heads)
+
+    model.forward = wrapped
+    return calls
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
+
+
+def test_cancel_mid_phase_releases_kv_and_session(adapter_dir):
+    rt = make_runtime(adapter_dir)
+    session = rt.open_session(CONFIG, prompt())
+    session.next_phase()
+    kv = session.kv
+    state = {}
+
+    def cancel_on_second_student_forward(n, heads, attention):
+        state["n"] = state.get("n", 0) + 1
+        if state["n"] == 2:
+            session.cancel()  # from inside a forward: honoured at the next check between forwards
+
+    calls = hook_forward(rt.model, cancel_on_second_student_forward)
+    with pytest.raises(SessionCancelled):
+        session.next_phase()
+    assert len(calls) == 2  # no further forward after the cancel
+    assert session.kv is None and kv.released and kv.nbytes == 0
+    assert rt.active_session is None and session.closed
+    with pytest.raises(SessionClosed):
+        session.next_phase()
+    rt.model.forward = type(rt.model).forward.__get__(rt.model)
+    other = rt.open_session(CONFIG, prompt())  # the slot is free again
+    assert rt.active_session is other
+    other.cancel()  # idle cancel releases at once
+    assert other.kv is None and rt.active_session is None
+
+
+def test_fault_mid_commit_leaves_kv_exactly_as_before(adapter_dir):
+    ref_rt = make_runtime(adapter_dir)
+    ref = ref_rt.open_session(CONFIG, prompt())
+    ref_outs = [ref.next_phase() for _ in range(2)]
+    ref.close()
+
+    rt = make_runtime(adapter_dir)
+    session = rt.open_session(CONFIG, prompt())
+    first = session.next_phase()
+    kv = session.kv
+    before_rows = [(k[:kv.live].clone(), v[:kv.live].clone()) for k, v in zip(kv.k, kv.v)]
+    before_meta = (kv.live, kv.num_commits, [(r.index, r.start, r.audio_rows, r.video_rows) for r in kv.records])
+
+    def faulty_commit(n, heads, attention):
+        if heads:
+            return None
+
+        def attend(layer, q, k, v):
+            out = attention(layer, q, k, v)  # layer 0 stages its K/V, layer 1 fails after staging
+            if layer == ARGS.num_layers - 1:
+                raise RuntimeError("injected fault in the commit forward")
+            return out
+
+        return attend
+
+    hook_forward(rt.model, faulty_commit)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        session.next_phase()
+    assert not kv.in_transaction
+    assert (kv.live, kv.num_commits, [(r.index, r.start, r.audio_rows, r.video_rows) for r in kv.records]) \
+        == before_meta
+    for (k0, v0), k, v in zip(before_rows, kv.k, kv.v):
+        assert torch.equal(k[:kv.live], k0) and torch.equal(v[:kv.live], v0)
+    # the session is still usable: the retried phase equals the undisturbed run bitwise
+    rt.model.forward = type(rt.model).forward.__get__(rt.model)
+    retried = session.next_phase()
+    assert torch.equal(first.video, ref_outs[0].video)
+    assert torch.equal(retried.video, ref_outs[1].video) and torch.equal(retried.audio, ref_outs[1].audio)
+    assert retried.meta.phase_index == 1 and kv.num_commits == 2
+    session.close()
+    assert rt.active_session is None
+
+
+def test_one_session_per_group_and_bad_canvas(adapter_dir):
+    rt = make_runtime(adapter_dir)
+    with pytest.raises(InvalidCanvas, match=r"short edge 96 is not one of the allowed short edges \(64, 128"):
+        rt.open_session(SessionConfig(seed=1, width=96, height=96), prompt())
+    assert rt.active_session is None
+    session = rt.open_session(CONFIG, prompt())
+    with pytest.raises(NoCapacity, match="one active session per group"):
+        rt.open_session(CONFIG, prompt())
+    session.close()
+    rt.open_session(CONFIG, prompt()).close()

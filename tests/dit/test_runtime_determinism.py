@@ -1,0 +1,97 @@
+"""Streaming runtime: bitwise determinism, output shapes/metadata, teacher audio published exactly."""
+
+import pytest
+import torch
+
+from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
+from services.dit.geometry import plan_request
+from services.dit.lora import LoRAAdapter, write_random_adapter
+from services.dit.model import PRESETS, build_random
+from services.dit.runtime import DiTRuntime
+
+pytestmark = pytest.mark.cpu
+
+ARGS = PRESETS["tiny"]
+PHASES = 6  # request 0 and the first two phases of request 1 (teacher tail, audio continuity)
+
+
+def make_runtime(adapter_dir) -> DiTRuntime:
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    return DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16),
+                      LoRAAdapter.load(model, adapter_dir))
+
+
+def prompt(seed: int, event_id: str, tokens: int = 6) -> PromptUpdate:
+    return PromptUpdate(torch.randn(tokens, ARGS.text_dim, generator=torch.Generator().manual_seed(seed)), event_id)
+
+
+def run(adapter_dir, seed=7, phases=PHASES, teacher_log=None):
+    rt = make_runtime(adapter_dir)
+    if teacher_log is not None:
+        inner = rt.teacher.run
+
+        def logged(*a, **kw):
+            out = inner(*a, **kw)
+            teacher_log.append(out[-1].clone())
+            return out
+
+        rt.teacher.run = logged
+    session = rt.open_session(SessionConfig(seed=seed, width=96, height=64), prompt(1, "first"))
+    outs = [session.next_phase() for _ in range(phases)]
+    session.close()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def first_run(adapter_dir):
+    log = []
+    return run(adapter_dir, teacher_log=log), log
+
+
+def test_same_seed_and_script_is_bitwise_identical(adapter_dir, first_run):
+    a, _ = first_run
+    b = run(adapter_dir)
+    for x, y in zip(a, b):
+        assert torch.equal(x.video, y.video) and torch.equal(x.audio, y.audio)
+        assert (x.meta.request_index, x.meta.phase_index) == (y.meta.request_index, y.meta.phase_index)
+    c = run(adapter_dir, seed=8, phases=1)
+    assert not torch.equal(a[0].video, c[0].video) and not torch.equal(a[0].audio, c[0].audio)
+
+
+def test_phase_shapes_and_metadata(first_run):
+    outs, _ = first_run
+    plans = [ph for k in range(2) for ph in plan_request(k).phases][:PHASES]
+    for out, ph in zip(outs, plans):
+        m = out.meta
+        assert (m.request_index, m.phase_index) == (ph.request_index, ph.phase_index)
+        assert out.video.shape == (ph.num_latents, 24, 4, 6) and out.video.dtype == torch.float32
+        assert out.audio.shape == (2, ph.num_audio_latents, 32) and out.audio.dtype == torch.float32
+        assert (m.num_frames, m.num_audio_samples) == (ph.num_frames, ph.num_audio_latents * 800)
+        assert m.active_event_id == "first"
+        assert torch.isfinite(out.video).all() and torch.isfinite(out.audio).all()
+        assert m.timings.student_s > 0 and m.timings.commit_s > 0
+    assert outs[0].meta.started_event_ids == ("first",) and outs[0].meta.completed_event_ids == ("first",)
+    assert outs[0].meta.timings.teacher_s > 0 and outs[1].meta.timings.teacher_s == 0
+
+
+def test_published_audio_is_the_teachers_clean_latent(first_run):
+    outs, teacher = first_run
+    assert len(teacher) == 2  # one teacher run per request
+    req0 = torch.cat([o.audio for o in outs[:4]], dim=1)
+    assert torch.equal(req0, teacher[0])
+    req1 = torch.cat([o.audio for o in outs[4:6]], dim=1)
+    assert torch.equal(req1, teacher[1][:, :req1.shape[1]])
+
+
+def test_clean_video_renormalised_to_first_phase_statistics(first_run):
+    outs, _ = first_run
+    ref_mean = outs[0].video.mean(dim=(0, 2, 3))
+    ref_std = outs[0].video.std(dim=(0, 2, 3))
+    for out in outs[1:]:
+        assert torch.allclose(out.video.mean(dim=(0, 2, 3)), ref_mean, atol=1e-4)
+        assert torch.allclose(out.video.std(dim=(0, 2, 3)), ref_std, atol=1e-4)

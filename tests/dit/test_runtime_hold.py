@@ -1,0 +1,104 @@
+"""Hold at request boundaries: finite falls back on time, infinite waits, request 0 never holds, cancel is
+answered within one poll, and no forward runs while holding."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionCancelled, SessionConfig
+from services.dit.lora import LoRAAdapter, write_random_adapter
+from services.dit.model import PRESETS, build_random
+from services.dit.runtime import DiTRuntime
+from services.dit.session import CancelToken, PromptBook
+
+pytestmark = pytest.mark.cpu
+
+ARGS = PRESETS["tiny"]
+
+
+def prompt(seed: int, event_id: str) -> PromptUpdate:
+    return PromptUpdate(torch.randn(4, ARGS.text_dim, generator=torch.Generator().manual_seed(seed)), event_id)
+
+
+def test_request_0_never_holds():
+    book = PromptBook(prompt(1, "e0"), HoldConfig(enabled=True, max_seconds=None, poll_seconds=0.01))
+    t0 = time.monotonic()
+    rp = book.for_request(0, CancelToken())
+    assert time.monotonic() - t0 < 0.5 and rp.hold_seconds == 0.0 and rp.started == ("e0",)
+
+
+def test_finite_hold_falls_back_on_time():
+    fallback = prompt(9, "fallback")
+    book = PromptBook(prompt(1, "e0"), HoldConfig(enabled=True, max_seconds=0.2, poll_seconds=0.05), fallback)
+    book.for_request(0, CancelToken())
+    t0 = time.monotonic()
+    rp = book.for_request(1, CancelToken())
+    waited = time.monotonic() - t0
+    assert 0.2 <= waited < 2.0 and rp.hold_seconds >= 0.2
+    assert rp.prompt is fallback and rp.started == ("fallback",)
+    rp2 = book.for_request(2, CancelToken())  # the fallback stays; nothing new starts
+    assert rp2.prompt is fallback and rp2.started == ()
+    no_fallback = PromptBook(prompt(1, "e0"), HoldConfig(enabled=True, max_seconds=0.1, poll_seconds=0.05))
+    first = no_fallback.for_request(0, CancelToken()).prompt
+    assert no_fallback.for_request(1, CancelToken()).prompt is first  # the previous prompt
+
+
+def test_infinite_hold_waits_for_a_newer_prompt():
+    book = PromptBook(prompt(1, "e0"), HoldConfig(enabled=True, max_seconds=None, poll_seconds=0.02))
+    book.for_request(0, CancelToken())
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("rp", book.for_request(1, CancelToken())))
+    worker.start()
+    worker.join(0.4)
+    assert worker.is_alive() and not result  # still holding well past many polls
+    book.submit(prompt(2, "u1"))
+    worker.join(2.0)
+    assert not worker.is_alive() and result["rp"].prompt.event_id == "u1" and result["rp"].hold_seconds >= 0.4
+
+
+def test_held_session_answers_cancel_within_one_poll_without_forwards(tmp_path):
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16),
+                    LoRAAdapter.load(model, write_random_adapter(ARGS, tmp_path, seed=1)))
+    poll = 0.05
+    hold = HoldConfig(enabled=True, max_seconds=None, poll_seconds=poll)
+    session = rt.open_session(SessionConfig(seed=3, width=96, height=64, hold=hold), prompt(1, "e0"))
+    outs = [session.next_phase() for _ in range(4)]  # request 0 never holds
+    assert all(o.meta.timings.hold_s == 0.0 for o in outs)
+    forwards = []
+    inner = model.forward
+    model.forward = lambda *a, **kw: forwards.append(1) or inner(*a, **kw)
+    errors = []
+
+    def produce():
+        try:
+            session.next_phase()
+        except SessionCancelled as e:
+            errors.append((time.monotonic(), e))
+
+    worker = threading.Thread(target=produce)
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive() and forwards == []  # holding: no dummy denoise steps
+    t_cancel = time.monotonic()
+    session.cancel()
+    worker.join(2.0)
+    assert not worker.is_alive() and errors
+    assert errors[0][0] - t_cancel < poll + 0.25
+    assert session.kv is None and rt.active_session is None and forwards == []
+
+
+def test_finite_hold_in_a_session_uses_the_fallback(tmp_path):
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16))
+    hold = HoldConfig(enabled=True, max_seconds=0.2, poll_seconds=0.05)
+    session = rt.open_session(SessionConfig(seed=3, width=96, height=64, hold=hold), prompt(1, "e0"),
+                              fallback=prompt(9, "fallback"))
+    for _ in range(4):
+        session.next_phase()
+    out = session.next_phase()
+    assert out.meta.request_index == 1 and out.meta.timings.hold_s >= 0.2
+    assert out.meta.active_event_id == "fallback" and out.meta.started_event_ids == ("fallback",)
+    session.close()

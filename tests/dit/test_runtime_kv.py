@@ -1,0 +1,46 @@
+"""Streaming runtime and its KV cache: retention row counts per phase, the periodic audio drop, stable buffers."""
+
+import pytest
+import torch
+
+from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
+from services.dit.geometry import check_canvas, plan_request
+from services.dit.kv_cache import kv_capacity
+from services.dit.model import PRESETS, build_random
+from services.dit.runtime import DiTRuntime
+
+pytestmark = pytest.mark.cpu
+
+ARGS = PRESETS["tiny"]
+
+
+def test_session_kv_rows_follow_retention_and_audio_reset():
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    # audio reset every request so that the drop shows up after 5 phases (the default is 12)
+    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16, audio_reset_requests=1))
+    session = rt.open_session(SessionConfig(seed=2, width=96, height=64),
+                              PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+    kv = session.kv
+    rpf = check_canvas(96, 64, (64,)).rows_per_frame
+    assert kv.capacity == kv_capacity(check_canvas(96, 64, (64,)), 16)
+    assert (kv.local_heads, kv.head_dim, len(kv.k)) == (ARGS.num_heads, ARGS.head_dim, ARGS.num_layers)
+    ptrs = [t.data_ptr() for t in kv.k + kv.v]
+    phases = [ph for k in range(2) for ph in plan_request(k).phases][:5]
+    audio = [2 * ph.num_audio_latents for ph in phases]
+    video = [ph.num_latents * rpf for ph in phases]
+    inner, heads_flags = model.forward, []
+    model.forward = lambda *a, heads=True, **kw: heads_flags.append(heads) or inner(*a, heads=heads, **kw)
+    counts = []
+    for _ in range(5):
+        session.next_phase()
+        counts.append((kv.audio_rows, kv.video_rows))
+    assert counts[0] == (audio[0], video[0])
+    assert counts[1] == (audio[0] + audio[1], video[0] + video[1])
+    assert counts[2] == (audio[1] + audio[2], video[0] + video[1] + video[2])  # commit 0 became a video sink
+    assert counts[3] == (audio[2] + audio[3], video[0] + video[2] + video[3])
+    # request 1 starts with the audio drop: only its own first commit carries audio
+    assert counts[4] == (audio[4], video[0] + video[3] + video[4])
+    assert [t.data_ptr() for t in kv.k + kv.v] == ptrs
+    # 2 requests x 9 teacher forwards + 5 phases x (3 student + 1 commit without heads)
+    assert len(heads_flags) == 2 * 9 + 5 * 4 and heads_flags.count(False) == 5
+    session.close()

@@ -1,0 +1,237 @@
+"""Test doubles for the gateway: a fake Pipeline that streams REAL fragmented MP4, and a server helper.
+
+The fake uses the shared `services.vae.mux.FragmentedMP4Muxer`, so browsers and PyAV can play
+what it produces. Frames are a moving bar whose colour follows the current prompt; audio is a
+tone. Prompt updates are installed at the next chunk boundary and reported in the chunk's
+`completed_event_ids`, as the real backend does.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from services.gateway.config import GatewayConfig
+from services.gateway.pipeline import (
+    InvalidRequest,
+    MediaChunk,
+    Pipeline,
+    PipelineError,
+    PipelineSession,
+    SessionRequest,
+    StageTimings,
+)
+from services.gateway.ws import create_app
+from services.vae.mux import FragmentedMP4Muxer
+
+SAMPLE_RATE = 32000
+
+
+@dataclass
+class FakeBehaviour:
+    """Knobs of the fake backend."""
+
+    frames_per_chunk: int = 6
+    num_chunks: int | None = 4
+    """Chunks per session; None streams until cancelled."""
+    chunk_delay_s: float = 0.0
+    """Sleep before each chunk (simulated generation time)."""
+    cancel_delay_s: float = 0.0
+    start_error: PipelineError | None = None
+    reject_prompts: frozenset[str] = frozenset()
+    """Prompt updates with these texts raise InvalidRequest."""
+    stall_after: int | None = None
+    """Hang forever after this many chunks (to exercise the stall timeout)."""
+    healthy: bool = True
+
+
+@dataclass
+class FakeRecord:
+    """What happened to one fake session."""
+
+    request: SessionRequest
+    updates: list[tuple[str, str]] = field(default_factory=list)
+    chunks: int = 0
+    cancelled: bool = False
+    closed: bool = False
+
+
+class FakePipelineSession(PipelineSession):
+    def __init__(self, behaviour: FakeBehaviour, record: FakeRecord) -> None:
+        self._b = behaviour
+        self.record = record
+        req = record.request
+        self._muxer = FragmentedMP4Muxer(req.width, req.height, fps=req.fps, sample_rate=SAMPLE_RATE)
+        self._pending: list[tuple[str, str]] = []
+        self._prompt = req.prompt
+        self._active_event = ""
+        self._cancelled = asyncio.Event()
+
+    async def update_prompt(self, event_id: str, prompt: str) -> None:
+        if prompt in self._b.reject_prompts:
+            raise InvalidRequest(f"prompt {prompt!r} rejected by the fake", code="interaction_failed")
+        self.record.updates.append((event_id, prompt))
+        self._pending.append((event_id, prompt))
+
+    async def cancel(self) -> None:
+        if self._b.cancel_delay_s:
+            await asyncio.sleep(self._b.cancel_delay_s)
+        self.record.cancelled = True
+        self._cancelled.set()
+
+    async def chunks(self) -> AsyncIterator[MediaChunk]:
+        index = 0
+        try:
+            while not self._cancelled.is_set():
+                if self._b.num_chunks is not None and index >= self._b.num_chunks:
+                    break
+                if self._b.stall_after is not None and index >= self._b.stall_after:
+                    await self._cancelled.wait()
+                    break
+                if self._b.chunk_delay_s:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._cancelled.wait(), self._b.chunk_delay_s)
+                    if self._cancelled.is_set():
+                        break
+                completed = [eid for eid, _ in self._pending]
+                if self._pending:
+                    self._active_event, self._prompt = self._pending[-1]
+                    self._pending.clear()
+                frames, audio = self._render(index)
+                data = self._muxer.encode(frames, audio)
+                self.record.chunks += 1
+                yield MediaChunk(
+                    data=data, request_index=index // 4, phase_index=index % 4,
+                    num_frames=frames.shape[0], num_audio_samples=audio.shape[1],
+                    audio_sample_rate=SAMPLE_RATE, started_event_ids=tuple(completed),
+                    active_event_ids=(self._active_event,), completed_event_ids=tuple(completed),
+                    timings=StageTimings(text=0.001, dit=0.01, vae=0.005, mux=0.002),
+                )
+                index += 1
+            tail = self._muxer.close()
+            if tail:
+                yield MediaChunk(data=tail, request_index=index // 4, phase_index=index % 4,
+                                 num_frames=0, num_audio_samples=0, kind="trailer")
+        finally:
+            self.record.closed = True
+
+    def _render(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        req = self.record.request
+        n = self._b.frames_per_chunk
+        colour = np.frombuffer(hashlib.sha256(self._prompt.encode()).digest()[:3], np.uint8)
+        frames = np.zeros((n, req.height, req.width, 3), np.uint8)
+        frames[:] = colour // 3
+        for k in range(n):
+            x = ((index * n + k) * 4) % req.width
+            frames[k, :, x:x + 8] = colour
+        samples = n * SAMPLE_RATE // req.fps
+        t = (np.arange(samples) + index * samples) / SAMPLE_RATE
+        tone = (0.2 * np.sin(2 * np.pi * 440.0 * t)).astype(np.float32)
+        return frames, np.stack([tone, tone])
+
+
+class FakePipeline(Pipeline):
+    """Pipeline double: records requests and streams muxed test patterns."""
+
+    def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
+        self.behaviour = behaviour or FakeBehaviour()
+        self.records: list[FakeRecord] = []
+
+    async def start(self, request: SessionRequest) -> PipelineSession:
+        if self.behaviour.start_error is not None:
+            raise self.behaviour.start_error
+        record = FakeRecord(request)
+        self.records.append(record)
+        return FakePipelineSession(self.behaviour, record)
+
+    async def health(self) -> bool:
+        return self.behaviour.healthy
+
+
+def small_config(**overrides) -> GatewayConfig:
+    """A GatewayConfig with a tiny canvas and short timeouts for tests."""
+    values = dict(
+        host="127.0.0.1", port=0, model="fake-model", queue_limit=2, start_timeout_s=2.0,
+        stall_timeout_s=5.0, max_start_bytes=64 * 1024, max_interaction_bytes=4 * 1024,
+        max_frame_bytes=128 * 1024, max_prompt_chars=200, allowed_canvases=((64, 48), (48, 64)),
+        default_canvas=(64, 48), queue_poll_s=0.05, drain_timeout_s=2.0,
+    )
+    values.update(overrides)
+    return GatewayConfig(**values)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(config: GatewayConfig, pipeline: Pipeline,
+                          registry: CollectorRegistry | None = None) -> AsyncIterator[TestServer]:
+    """Serve the gateway on 127.0.0.1 with an ephemeral port; yields the aiohttp TestServer."""
+    server = TestServer(create_app(config, pipeline, registry), host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@dataclass
+class Transcript:
+    """Frames one test connection received, in order."""
+
+    texts: list[dict] = field(default_factory=list)
+    binaries: list[bytes] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)
+    """'text:<type>' or 'binary' per frame."""
+    close_code: int | None = None
+
+    def of_type(self, kind: str) -> list[dict]:
+        return [m for m in self.texts if m["type"] == kind]
+
+
+async def read_until(ws: aiohttp.ClientWebSocketResponse, transcript: Transcript, *,
+                     until: str | None = None, timeout: float = 10.0) -> dict | None:
+    """Read frames into `transcript` until a text message of type `until` (returned) or the close."""
+
+    async def pump() -> dict | None:
+        async for msg in ws:
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                body = json.loads(msg.data)
+                transcript.texts.append(body)
+                transcript.order.append(f"text:{body['type']}")
+                if until is not None and body["type"] == until:
+                    return body
+            elif msg.type == aiohttp.WSMsgType.BINARY:
+                transcript.binaries.append(msg.data)
+                transcript.order.append("binary")
+        transcript.close_code = ws.close_code
+        return None
+
+    return await asyncio.wait_for(pump(), timeout)
+
+
+def ws_url(server: TestServer) -> str:
+    """The ws:// address of the server's realtime endpoint."""
+    return str(server.make_url("/v1/realtime/video")).replace("http://", "ws://", 1)
+
+
+async def run_good_session(server: TestServer, prompt: str = "a good session") -> Transcript:
+    """Run one session to session.done and the server's close; fail if anything else happens."""
+    transcript = Transcript()
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server)) as ws:
+        await ws.send_json({"type": "session.start", "prompt": prompt})
+        done = await read_until(ws, transcript, until="session.done")
+        await read_until(ws, transcript)
+    if done is None or transcript.of_type("error"):
+        raise AssertionError(f"session did not complete cleanly: {transcript.texts}")
+    return transcript
+
+
+async def healthz(server: TestServer) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.get(server.make_url("/healthz")) as resp:
+        return resp.status, await resp.json()

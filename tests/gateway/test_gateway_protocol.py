@@ -1,0 +1,125 @@
+"""Parsing and validation of client frames (pure, no sockets)."""
+import json
+
+import pytest
+
+from services.gateway.config import GatewayConfig
+from services.gateway.protocol import (
+    ChunkMetadata,
+    ErrorCode,
+    ErrorMessage,
+    MessageLimits,
+    ProtocolError,
+    SessionInteraction,
+    SessionPing,
+    SessionStart,
+    SessionStop,
+    parse_client_text,
+)
+
+pytestmark = pytest.mark.cpu
+
+LIMITS = MessageLimits(max_start_bytes=2000, max_interaction_bytes=500, max_prompt_chars=100)
+
+
+def parse(body) -> object:
+    return parse_client_text(json.dumps(body), LIMITS)
+
+
+def code_of(body_or_text) -> ErrorCode:
+    text = body_or_text if isinstance(body_or_text, str) else json.dumps(body_or_text)
+    with pytest.raises(ProtocolError) as info:
+        parse_client_text(text, LIMITS)
+    return info.value.code
+
+
+def test_full_start_with_sampling_params_and_hold():
+    msg = parse({
+        "type": "session.start", "prompt": "a lake", "model": "m", "format": "m4s",
+        "sampling_params": {"seed": 7, "width": 64, "num_frames": 99, "guidance_scale": 1.0},
+        "height": 48, "fps": 24, "extra_params": {"hold_for_prompt": True, "hold_max_seconds": 2.5,
+                                                  "hold_fallback_prompt": "idle", "pace": 1},
+    })
+    assert isinstance(msg, SessionStart)
+    assert (msg.prompt, msg.model, msg.seed, msg.width, msg.height, msg.fps) == ("a lake", "m", 7, 64, 48, 24)
+    assert msg.hold.enabled and msg.hold.max_seconds == 2.5 and msg.hold.fallback_prompt == "idle"
+    assert dict(msg.extra_params) == {"pace": 1}  # hold keys are consumed, the rest passes through
+
+
+def test_top_level_field_wins_over_sampling_params():
+    msg = parse({"type": "session.start", "prompt": "p", "seed": 1, "sampling_params": {"seed": 2}})
+    assert msg.seed == 1
+
+
+def test_control_messages():
+    assert isinstance(parse({"type": "session.stop"}), SessionStop)
+    assert isinstance(parse({"type": "session.ping"}), SessionPing)
+    msg = parse({"type": "session.interaction",
+                 "interaction": {"event_id": "e1", "event": {"prompt": "storm"}, "transition_chunks": 0}})
+    assert msg == SessionInteraction(prompt="storm", event_id="e1", transition_chunks=0)
+    assert parse({"type": "session.interaction", "interaction": {"event": {"prompt": "x"}}}).event_id is None
+
+
+@pytest.mark.parametrize("text,code", [
+    ("not json", ErrorCode.INVALID_JSON),
+    ("[1, 2]", ErrorCode.INVALID_JSON),
+    ({"prompt": "no type"}, ErrorCode.UNKNOWN_TYPE),
+    ({"type": "session.dance"}, ErrorCode.UNKNOWN_TYPE),
+    ({"type": "session.start"}, ErrorCode.MISSING_FIELD),
+    ({"type": "session.start", "prompt": 5}, ErrorCode.INVALID_TYPE),
+    ({"type": "session.start", "prompt": "p", "seed": "7"}, ErrorCode.INVALID_TYPE),
+    ({"type": "session.start", "prompt": "p", "width": True}, ErrorCode.INVALID_TYPE),
+    ({"type": "session.start", "prompt": "p", "seed": -1}, ErrorCode.INVALID_VALUE),
+    ({"type": "session.start", "prompt": "p", "width": 0}, ErrorCode.INVALID_VALUE),
+    ({"type": "session.start", "prompt": "p", "extra_params": []}, ErrorCode.INVALID_TYPE),
+    ({"type": "session.start", "prompt": "p", "extra_params": {"hold_max_seconds": -1}},
+     ErrorCode.INVALID_VALUE),
+    ({"type": "session.start", "prompt": "p", "extra_params": {"hold_for_prompt": "yes"}},
+     ErrorCode.INVALID_TYPE),
+    ({"type": "session.start", "prompt": "p", "format": "mp4"}, ErrorCode.UNSUPPORTED_FORMAT),
+    ({"type": "session.start", "prompt": "p", "image_reference": {"image_url": "x"}},
+     ErrorCode.UNSUPPORTED_FIELD),
+    ({"type": "session.start", "prompt": "   "}, ErrorCode.EMPTY_PROMPT),
+    ({"type": "session.start", "prompt": "x" * 101}, ErrorCode.PROMPT_TOO_LONG),
+    ({"type": "session.start", "prompt": "x" * 1990}, ErrorCode.MESSAGE_TOO_LARGE),
+    ({"type": "session.interaction"}, ErrorCode.MISSING_FIELD),
+    ({"type": "session.interaction", "interaction": {"event_id": "e"}}, ErrorCode.MISSING_FIELD),
+    ({"type": "session.interaction", "interaction": {"event": {"prompt": 3}}}, ErrorCode.INVALID_TYPE),
+    ({"type": "session.interaction", "interaction": {"event": {"prompt": ""}}}, ErrorCode.EMPTY_PROMPT),
+    ({"type": "session.interaction", "interaction": {"event": {"prompt": "p", "negative_prompt": "n"}}},
+     ErrorCode.UNSUPPORTED_FIELD),
+    ({"type": "session.interaction", "interaction": {"event_id": "", "event": {"prompt": "p"}}},
+     ErrorCode.INVALID_VALUE),
+    ({"type": "session.interaction", "interaction": {"event": {"prompt": "p" * 90}}, "pad": "x" * 500},
+     ErrorCode.MESSAGE_TOO_LARGE),
+])
+def test_bad_frames_get_named_codes(text, code):
+    assert code_of(text) is code
+
+
+def test_interaction_error_carries_event_id():
+    with pytest.raises(ProtocolError) as info:
+        parse({"type": "session.interaction", "interaction": {"event_id": "e9", "event": {"prompt": ""}}})
+    assert info.value.event_id == "e9"
+
+
+def test_server_messages_serialise_to_wire_names():
+    meta = ChunkMetadata(
+        request_id="r", kind="media", transport_chunk_index=3, generation_chunk_index=3, request_index=0,
+        phase_index=3, num_frames=17, num_audio_samples=22667, audio_sample_rate=32000, byte_length=10,
+        started_event_ids=("a",), active_event_ids=("a",), completed_event_ids=(), timings={"dit": 0.1},
+    ).to_wire()
+    assert meta["type"] == "video.chunk_metadata" and meta["started_event_ids"] == ["a"]
+    assert {"kind", "transport_chunk_index", "generation_chunk_index", "num_frames", "num_audio_samples",
+            "audio_sample_rate", "byte_length", "completed_event_ids", "active_event_ids"} <= set(meta)
+    err = ErrorMessage(ErrorCode.QUEUE_FULL, "busy").to_wire()
+    assert err == {"type": "error", "code": "queue_full", "message": "busy"}
+
+
+def test_config_rejects_bad_values_by_name():
+    with pytest.raises(ValueError, match="default_canvas"):
+        GatewayConfig(allowed_canvases=((64, 48),), default_canvas=(480, 864))
+    with pytest.raises(ValueError, match="queue_limit"):
+        GatewayConfig(queue_limit=-1)
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        GatewayConfig(max_frame_bytes=10)

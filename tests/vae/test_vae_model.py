@@ -1,0 +1,151 @@
+"""Video/audio VAE wrappers: parity with the diffusers decoders, presets, checkpoint layout, input errors."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+from safetensors import safe_open
+
+from services.vae.checkpoint import VAECheckpointError, load_audio_vae, load_video_vae, write_random_checkpoint
+from services.vae.model import (
+    AUDIO_PRESETS,
+    VIDEO_PRESETS,
+    AudioDecoder,
+    InvalidLatents,
+    VideoDecoder,
+    build_video_vae,
+)
+
+pytestmark = pytest.mark.cpu
+
+REAL = Path(__file__).resolve().parents[3] / "shared/reference/checkpoints/MiniMax-H3"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_random_checkpoint("tiny", tmp_path_factory.mktemp("vae"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def video(ckpt) -> VideoDecoder:
+    return VideoDecoder(load_video_vae(ckpt))
+
+
+@pytest.fixture(scope="module")
+def audio(ckpt) -> AudioDecoder:
+    return AudioDecoder(load_audio_vae(ckpt))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_video_decode_matches_diffusers(video):
+    z = torch.randn(12, 24, 6, 8, generator=torch.Generator().manual_seed(0))
+    vae = video.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, 24, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, 24, 1, 1, 1)
+    with torch.no_grad():
+        sample = vae.decode(z.permute(1, 0, 2, 3)[None] * std + mean).sample[0]  # [3, N, H, W]
+    imagenet_mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1, 1)
+    imagenet_std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1, 1)
+    ref = (sample * imagenet_std + imagenet_mean).clamp(0, 1).permute(1, 2, 3, 0)
+    ours = video.decode_pixels(z)
+    assert ours.shape == (39, 96, 128, 3)
+    assert _rel(ours, ref) < 1e-6
+    assert ours.std() > 0.05  # random weights give a non-trivial picture, so the comparison means something
+    frames = video.decode(z)
+    assert frames.dtype == torch.uint8 and frames.shape == (39, 96, 128, 3)
+    assert (frames.float() - ours * 255).abs().max() <= 0.5 + 1e-4
+
+
+def test_video_frame_counts_at_tiny_canvas(video):
+    assert [video.num_frames(n) for n in (7, 12, 37)] == [22, 39, 124]
+    frames = video.decode(torch.randn(7, 24, 12, 20))
+    assert frames.shape == (22, 192, 320, 3)  # 192x320 canvas: 16x spatial, tiled like the release
+
+
+def test_audio_decode_matches_diffusers(audio):
+    z = torch.randn(2, 30, 32, generator=torch.Generator().manual_seed(1))
+    vae = audio.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, 32, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, 32, 1)
+    with torch.no_grad():
+        left = vae.decode(z[0:1].transpose(1, 2) * std + mean).sample[0, 0]
+        right = vae.decode(z[1:2].transpose(1, 2) * std + mean).sample[0, 0]
+    ours = audio.decode(z)
+    assert ours.shape == (2, 30 * 800) and ours.dtype == torch.float32
+    assert _rel(ours[0], left) < 1e-5 and _rel(ours[1], right) < 1e-5
+    assert ours.abs().max() <= 1.0 and ours.std() > 0
+    assert audio.sample_rate == 32000 and audio.hop_length == 800
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((12, 16, 6, 8), "24 channels"),
+    ((24, 6, 8), r"\[F, 24, h, w\]"),
+    ((10, 24, 6, 8), "2 \\+ 5k latent frames"),
+    ((2, 24, 6, 8), "2 \\+ 5k latent frames"),
+])
+def test_video_bad_latents(video, shape, match):
+    with pytest.raises(InvalidLatents, match=match):
+        video.decode(torch.zeros(shape))
+
+
+def test_video_non_finite(video):
+    z = torch.zeros(7, 24, 6, 8)
+    z[3, 1, 2, 2] = float("nan")
+    with pytest.raises(InvalidLatents, match="finite"):
+        video.decode(z)
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((1, 10, 32), r"\[2, A, 32\]"),
+    ((2, 10, 24), r"\[2, A, 32\]"),
+    ((2, 32), r"\[2, A, 32\]"),
+    ((2, 0, 32), "empty"),
+])
+def test_audio_bad_latents(audio, shape, match):
+    with pytest.raises(InvalidLatents, match=match):
+        audio.decode(torch.zeros(shape))
+
+
+def test_checkpoint_layout(ckpt):
+    for sub, cls in (("vae", AutoencoderKLMiniMaxH3), ("audio_vae", AutoencoderKLMiniMaxH3Audio)):
+        cfg = json.loads((ckpt / sub / "config.json").read_text())
+        assert cfg["_class_name"] == cls.__name__
+        with safe_open(str(ckpt / sub / "diffusion_pytorch_model.safetensors"), framework="pt") as f:
+            keys = set(f.keys())
+            assert {f.get_tensor(k).dtype for k in list(keys)[:20]} == {torch.float32}
+        assert keys == set(cls(**{k: v for k, v in cfg.items() if not k.startswith("_")}).state_dict())
+    # The random init must not leave the zero-initialised ViT gates at zero (they would hide the blocks).
+    with safe_open(str(ckpt / "vae/diffusion_pytorch_model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("decoder.transformer_blocks.0.scale1").abs().sum() > 0
+        assert f.get_tensor("decoder.register_tokens").abs().sum() > 0
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(VAECheckpointError, match="no config.json"):
+        load_video_vae(tmp_path)
+    (tmp_path / "audio_vae").mkdir()
+    (tmp_path / "audio_vae/config.json").write_text(json.dumps({"_class_name": "AutoencoderKLMiniMaxH3Audio"}))
+    with pytest.raises(VAECheckpointError, match="cannot load"):
+        load_audio_vae(tmp_path)
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="reference checkpoint configs not present")
+def test_full_presets_match_released_configs():
+    for sub, preset in (("vae", VIDEO_PRESETS["full"]), ("audio_vae", AUDIO_PRESETS["full"])):
+        real = {k: v for k, v in json.loads((REAL / sub / "config.json").read_text()).items()
+                if not k.startswith("_")}
+        assert set(real) == set(preset)
+        for key, value in real.items():
+            if key.startswith("latents_"):
+                torch.testing.assert_close(torch.tensor(preset[key], dtype=torch.float64),
+                                           torch.tensor(value, dtype=torch.float64), rtol=0, atol=1e-7)
+            else:
+                assert json.loads(json.dumps(preset[key])) == value, key
+    with torch.device("meta"):
+        model = build_video_vae("full")
+    real_keys = json.loads((REAL / "vae/diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]
+    assert set(model.state_dict()) == set(real_keys)
