@@ -35,6 +35,10 @@ class NotReady(VitascopeError):
     """The service is still loading or warming up."""
 
 
+class StageFailed(VitascopeError):
+    """The stage broke (e.g. a rank of the DiT group died) and reports NOT_SERVING until restarted."""
+
+
 class Cancelled(VitascopeError):
     """The session was cancelled (by its client or by shutdown) and has released its resources."""
 
@@ -46,6 +50,7 @@ _STATUS = (
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (SequenceMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (StageFailed, grpc.StatusCode.UNAVAILABLE),
     (Cancelled, grpc.StatusCode.CANCELLED),
 )
 

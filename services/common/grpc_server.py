@@ -6,6 +6,7 @@ function that registers its servicer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from abc import ABC, abstractmethod
@@ -36,6 +37,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 SHUTDOWN_GRACE_SECONDS = 5.0
+HEALTH_POLL_SECONDS = 1.0
 
 
 class Stage(ABC):
@@ -58,6 +60,11 @@ class Stage(ABC):
 
     def close(self) -> None:
         """Release devices and files."""
+
+    @property
+    def failed(self) -> bool:
+        """True once the stage broke for good; health then reports NOT_SERVING."""
+        return False
 
 
 async def serve(stage: Stage, port: int, metrics_port: int = 0, host: str = "0.0.0.0",
@@ -90,6 +97,13 @@ async def serve(stage: Stage, port: int, metrics_port: int = 0, host: str = "0.0
         log.info("%s serving", stage.health_name)
         if ready is not None:
             ready()
+        while not stop.is_set():
+            if stage.failed:
+                log.error("%s failed; reporting NOT_SERVING", stage.health_name)
+                await health_servicer.set(stage.health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), HEALTH_POLL_SECONDS)
         await stop.wait()
     finally:
         log.info("%s shutting down", stage.health_name)

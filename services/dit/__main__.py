@@ -1,10 +1,10 @@
 """`python -m services.dit --profile configs/tiny_cpu.yaml [--port N]`"""
 import argparse
 import asyncio
-import logging
 
 from services.common.config import load_profile
 from services.common.grpc_server import serve
+from services.common.logging_setup import configure_logging
 from services.dit.service import DiTStage
 
 
@@ -13,7 +13,7 @@ def main() -> None:
     parser.add_argument("--profile", required=True)
     parser.add_argument("--port", type=int, help="override the profile's DiT port")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s dit %(levelname)s %(message)s")
+    configure_logging("dit")
     profile = load_profile(args.profile)
     port = args.port or profile.endpoints.port_of("dit")
     asyncio.run(serve(DiTStage(profile), port, profile.dit.metrics_port))

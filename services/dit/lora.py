@@ -118,20 +118,31 @@ def load_adapter(directory: str | Path, args: ModelArgs) -> AdapterSpec:
     return AdapterSpec(rank, alpha, factors)
 
 
+def random_adapter_spec(args: ModelArgs, device: torch.device | str, seed: int, rank: int | None = None,
+                        alpha: float | None = None) -> AdapterSpec:
+    """A random adapter of TaoMate's shape, built on `device` (rank 128 on full, hidden/8 on small presets)."""
+    rank = rank if rank is not None else min(128, max(1, args.hidden_size // 8))
+    alpha = float(alpha if alpha is not None else rank)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    factors = {}
+    for target, (fan_in, fan_out) in lora_targets(args).items():
+        a = torch.randn(rank, fan_in, generator=gen, device=device) / math.sqrt(fan_in)
+        b = torch.randn(fan_out, rank, generator=gen, device=device) * 0.02
+        factors[target] = (a, b)
+    return AdapterSpec(rank, alpha, factors)
+
+
 def write_random_adapter(args: ModelArgs, out_dir: str | Path, seed: int, rank: int | None = None,
                          alpha: float | None = None) -> Path:
     """Write a random adapter in the native layout (for the tiny/full checkpoint writer and tests)."""
-    rank = rank if rank is not None else min(128, max(1, args.hidden_size // 8))
-    alpha = float(alpha if alpha is not None else rank)
+    spec = random_adapter_spec(args, "cpu", seed, rank, alpha)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for target, (fan_in, fan_out) in lora_targets(args).items():
-        tensors[f"{target}.lora_a"] = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
-        tensors[f"{target}.lora_b"] = torch.randn(fan_out, rank, generator=gen) * 0.02
+    tensors = {}
+    for target, (a, b) in spec.factors.items():
+        tensors[f"{target}.lora_a"], tensors[f"{target}.lora_b"] = a, b
     save_file(tensors, str(out / WEIGHTS_FILE))
-    (out / "config.json").write_text(json.dumps({"rank": rank, "alpha": alpha}))
+    (out / "config.json").write_text(json.dumps({"rank": spec.rank, "alpha": spec.alpha}))
     return out
 
 

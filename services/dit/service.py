@@ -12,13 +12,15 @@ import time
 import torch
 
 from services.common.config import Profile
-from services.common.errors import NoCapacity, NotReady
+from services.common.errors import NotReady
 from services.common.grpc_server import Stage
 from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionConfig
 from services.dit.checkpoint import load_dit
-from services.dit.lora import LoRAAdapter
+from services.dit.fp8 import quantize_linears
+from services.dit.group import DiTGroup, GroupFailed
+from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime, StreamingSession
+from services.dit.runtime import DiTRuntime
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 
 log = logging.getLogger(__name__)
@@ -33,35 +35,59 @@ def runtime_timesteps() -> list[float]:
     return sorted({model_t(s) for s in sigmas})
 
 
+def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
+    """Build one rank's runtime on `device`: base DiT, TaoMate LoRA, then FP8 and the AdaLN cache if configured.
+
+    Module-level so the DiT group can pickle it to its worker ranks (each sees its GPU as `device`).
+    """
+    cfg, model_cfg = profile.dit, profile.model
+    args = PRESETS[model_cfg.preset]
+    dtype = getattr(torch, cfg.dtype)
+    root = pathlib.Path(model_cfg.dir)
+    if model_cfg.random_weights_on_device:
+        model = build_random(args, device, dtype, seed=0)
+        adapter = LoRAAdapter(model, random_adapter_spec(args, device, seed=1), dtype)
+    else:
+        model = load_dit(root / "MiniMax-H3" / "FL2VA" / "transformer", args, device, dtype)
+        adapter = LoRAAdapter.load(model, root / "TaoMate-H3", dtype=dtype)
+    if cfg.fp8:
+        report = quantize_linears(model)  # after LoRA: the side branch stays BF16
+        log.info("FP8: %d block linears quantised, %d kept in BF16, %.1f -> %.1f GiB", len(report.quantized),
+                 len(report.kept), report.bytes_before / 2**30, report.bytes_after / 2**30)
+    if cfg.adaln_cache:
+        log.info("AdaLN cache: %s", model.cache_adaln(runtime_timesteps()))
+    return DiTRuntime(model, RuntimeConfig(
+        canvases=cfg.canvas_short_edges, max_text_tokens=profile.encoder.max_tokens,
+        ulysses_degree=cfg.usp_degree, audio_reset_requests=cfg.audio_reset_requests), adapter)
+
+
 class DiTService:
-    """Owns one DiT group's model, adapter and runtime."""
+    """Owns one DiT group's runtime: in this process (USP1) or rank 0 of a Ulysses group (USP2/USP4)."""
 
     def __init__(self, profile: Profile):
         self.profile = profile
-        self.runtime: DiTRuntime | None = None
+        self.runtime: DiTRuntime | DiTGroup | None = None
 
     def start(self) -> None:
-        """Load (or build on the device) the base DiT, install the LoRA, optionally cache AdaLN."""
-        cfg, model_cfg = self.profile.dit, self.profile.model
-        args = PRESETS[model_cfg.preset]
-        device, dtype = torch.device(cfg.devices[0]), getattr(torch, cfg.dtype)
-        root = pathlib.Path(model_cfg.dir)
+        """Build the runtime, or launch the Ulysses group whose rank 0 runs here."""
+        cfg = self.profile.dit
         started = time.perf_counter()
-        if model_cfg.random_weights_on_device:
-            model = build_random(args, device, dtype, seed=0)
+        if cfg.usp_degree == 1:
+            self.runtime = build_runtime(self.profile, torch.device(cfg.devices[0]))
         else:
-            model = load_dit(root / "MiniMax-H3" / "FL2VA" / "transformer", args, device, dtype)
-        adapter = None
-        if not model_cfg.random_weights_on_device or (root / "TaoMate-H3").is_dir():
-            adapter = LoRAAdapter.load(model, root / "TaoMate-H3", dtype=dtype)
-        if cfg.adaln_cache:
-            report = model.cache_adaln(runtime_timesteps())
-            log.info("AdaLN cache: %s", report)
-        self.runtime = DiTRuntime(model, RuntimeConfig(
-            canvases=cfg.canvas_short_edges, max_text_tokens=self.profile.encoder.max_tokens,
-            ulysses_degree=cfg.usp_degree, audio_reset_requests=cfg.audio_reset_requests), adapter)
-        log.info("DiT ready in %.1f s: preset=%s devices=%s dtype=%s lora=%s", time.perf_counter() - started,
-                 model_cfg.preset, list(cfg.devices), cfg.dtype, adapter is not None)
+            self.runtime = DiTGroup.start(self.profile, build_runtime)
+        log.info("DiT ready in %.1f s: preset=%s devices=%s dtype=%s fp8=%s", time.perf_counter() - started,
+                 self.profile.model.preset, list(cfg.devices), cfg.dtype, cfg.fp8)
+
+    @property
+    def failed(self) -> bool:
+        """True once a rank of the group died or diverged (the service must report NOT_SERVING)."""
+        return isinstance(self.runtime, DiTGroup) and self.runtime.failed
+
+    def close(self) -> None:
+        """Stop the group's worker ranks."""
+        if isinstance(self.runtime, DiTGroup):
+            self.runtime.shutdown()
 
     def warmup(self) -> None:
         """Generate one phase of a throw-away session at the smallest allowed canvas."""
@@ -73,10 +99,12 @@ class DiTService:
         finally:
             session.close()
 
-    def open(self, config: SessionConfig, prompt: PromptUpdate, fallback: PromptUpdate | None) -> StreamingSession:
+    def open(self, config: SessionConfig, prompt: PromptUpdate, fallback: PromptUpdate | None):
         """Open the group's one session, waiting briefly for a cancelled predecessor to release its KV."""
         if self.runtime is None:
             raise NotReady("the DiT is still loading")
+        if self.failed:
+            raise GroupFailed("the DiT group is down; restart the service")
         deadline = time.monotonic() + RELEASE_WAIT_SECONDS
         while True:
             active = self.runtime.active_session
@@ -89,10 +117,6 @@ class DiTService:
         """The runtime's hold settings from the wire's (max_seconds 0 = infinite)."""
         return HoldConfig(enabled=enabled, max_seconds=max_seconds or None,
                           poll_seconds=self.profile.dit.hold_poll_seconds)
-
-    @property
-    def busy(self) -> bool:
-        return self.runtime is not None and self.runtime.active_session is not None
 
 
 class DiTStage(Stage):
@@ -107,6 +131,13 @@ class DiTStage(Stage):
     def warmup(self) -> None:
         self.service.warmup()
 
+    @property
+    def failed(self) -> bool:
+        return self.service.failed
+
+    def close(self) -> None:
+        self.service.close()
+
     def add_to_server(self, server) -> None:
         from services.dit.grpc_server import DiTServicer
         from vitascope.dit.v1 import dit_pb2_grpc
@@ -114,4 +145,3 @@ class DiTStage(Stage):
         dit_pb2_grpc.add_DiTServicer_to_server(DiTServicer(self.service), server)
 
 
-__all__ = ["DiTService", "DiTStage", "NoCapacity", "runtime_timesteps"]

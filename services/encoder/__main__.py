@@ -1,10 +1,10 @@
 """`python -m services.encoder --profile configs/tiny_cpu.yaml [--port N] [--device D]`"""
 import argparse
 import asyncio
-import logging
 
 from services.common.config import load_profile
 from services.common.grpc_server import serve
+from services.common.logging_setup import configure_logging
 from services.encoder.service import EncoderStage
 
 
@@ -14,7 +14,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, help="override the profile's encoder port")
     parser.add_argument("--device", help="override encoder.device")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s encoder %(levelname)s %(message)s")
+    configure_logging("encoder")
     overrides = {"encoder": {"device": args.device}} if args.device else None
     profile = load_profile(args.profile, overrides)
     port = args.port or profile.endpoints.port_of("encoder")

@@ -8,6 +8,7 @@ import signal
 from aiohttp import web
 
 from services.common.config import Endpoints, load_profile
+from services.common.logging_setup import configure_logging
 from services.gateway.config import GatewayConfig
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.ws import create_app
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--profile", required=True)
     parser.add_argument("--port", type=int, help="override gateway.port")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    configure_logging("gateway")
     profile = load_profile(args.profile)
     config = gateway_config(profile.gateway)
     if args.port is not None:

@@ -10,6 +10,11 @@ Per session:
 - one `VAE.Decode` call receives those latents phase by phase and returns one fMP4 chunk per phase.
 A pump task forwards DiT output to the VAE while `chunks()` reads the VAE, so the DiT works on phase k+1
 while the VAE decodes phase k.
+
+Trace context: `start()` opens a new trace per session (services/common/tracing.py). Its root span goes to
+the DiT and VAE calls as `traceparent` metadata, each prompt encode sends a child span in
+`EncodeRequest.trace`, and each phase's span, made by the DiT in `PhaseMeta.trace`, is forwarded to the VAE in
+`PhaseEnd.trace` and logged with the chunk (`trace_id`, `span_id`).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services.common import tracing
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.gateway.pipeline import (
     BackendUnavailable,
@@ -33,6 +39,7 @@ from services.gateway.pipeline import (
     SessionRequest,
     StageTimings,
 )
+from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
@@ -84,11 +91,14 @@ class GrpcPipeline(Pipeline):
                 return False
         return True
 
-    async def encode(self, session_id: str, prompt: str) -> tuple[list, float]:
-        """Embedding parts of one prompt and the seconds the encoder took."""
+    async def encode(self, session_id: str, prompt: str,
+                     span: tracing.SpanContext | None = None) -> tuple[list, float]:
+        """Embedding parts of one prompt and the seconds the encoder took (`span`: this encode's span)."""
         parts, seconds = [], 0.0
+        trace = tensor_pb2.TraceContext(traceparent=span.traceparent if span is not None else "")
+        request = encoder_pb2.EncodeRequest(session_id=session_id, prompt=prompt, trace=trace)
         try:
-            async for reply in self.encoder.Encode(encoder_pb2.EncodeRequest(session_id=session_id, prompt=prompt)):
+            async for reply in self.encoder.Encode(request):
                 parts.append(reply.embedding)
                 seconds = reply.encode_seconds or seconds
         except grpc.RpcError as exc:
@@ -97,11 +107,13 @@ class GrpcPipeline(Pipeline):
 
     async def start(self, request: SessionRequest) -> PipelineSession:
         """Encode the first prompt, open the DiT and VAE streams, and wait for the DiT to accept."""
-        parts, text_seconds = await self.encode(request.request_id, request.prompt)
+        trace = tracing.SpanContext.new_root()
+        log.info("session %s: trace %s", request.request_id, trace.trace_id, extra=trace.log_fields())
+        parts, text_seconds = await self.encode(request.request_id, request.prompt, trace.child())
         fallback = None
         if request.hold.enabled and request.hold.fallback_prompt:
-            fallback, _ = await self.encode(request.request_id, request.hold.fallback_prompt)
-        session = GrpcSession(self, request, text_seconds)
+            fallback, _ = await self.encode(request.request_id, request.hold.fallback_prompt, trace.child())
+        session = GrpcSession(self, request, text_seconds, trace)
         await session.open(parts, fallback)
         return session
 
@@ -114,9 +126,11 @@ class GrpcPipeline(Pipeline):
 class GrpcSession(PipelineSession):
     """One session's DiT and VAE calls and the pump between them."""
 
-    def __init__(self, pipeline: GrpcPipeline, request: SessionRequest, text_seconds: float):
+    def __init__(self, pipeline: GrpcPipeline, request: SessionRequest, text_seconds: float,
+                 trace: tracing.SpanContext):
         self.pipeline = pipeline
         self.request = request
+        self.trace = trace  # the session's root span; the DiT's phase spans are its children
         self._text_seconds = collections.deque([text_seconds])
         self._metas: collections.deque = collections.deque()
         self._dit_call = None
@@ -130,7 +144,7 @@ class GrpcSession(PipelineSession):
         req = self.request
         hold = dit_pb2.Hold(enabled=req.hold.enabled, max_seconds=req.hold.max_seconds,
                             has_fallback_prompt=fallback is not None)
-        self._dit_call = self.pipeline.dit.Stream()
+        self._dit_call = self.pipeline.dit.Stream(metadata=tracing.to_metadata(self.trace))
         try:
             await self._dit_call.write(dit_pb2.StreamRequest(start=dit_pb2.SessionStart(
                 session_id=req.request_id, seed=req.seed, width=req.width, height=req.height, hold=hold)))
@@ -144,7 +158,7 @@ class GrpcSession(PipelineSession):
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "started":
             await self.cancel()
             raise PipelineError("dit: stream closed before the session started")
-        self._vae_call = self.pipeline.vae.Decode()
+        self._vae_call = self.pipeline.vae.Decode(metadata=tracing.to_metadata(self.trace))
         try:
             await self._vae_call.write(vae_pb2.DecodeRequest(start=vae_pb2.DecodeStart(
                 session_id=req.request_id, width=req.width, height=req.height, fps=req.fps,
@@ -190,6 +204,7 @@ class GrpcSession(PipelineSession):
                 meta = self._metas.popleft()
                 text_seconds = self._text_seconds.popleft() if meta.first_of_request and self._text_seconds else 0.0
                 dit_seconds = sum(meta.stage_seconds.values())
+                self._log_chunk(meta, reply, len(data))
                 yield MediaChunk(
                     data=bytes(data), request_index=meta.request_index, phase_index=meta.phase_index,
                     num_frames=reply.num_frames, num_audio_samples=reply.num_audio_samples,
@@ -218,12 +233,27 @@ class GrpcSession(PipelineSession):
             if exc is not None:
                 raise PipelineError(f"dit → vae forwarding failed: {exc}")
 
+    def _log_chunk(self, meta: dit_pb2.PhaseMeta, reply: vae_pb2.DecodeResponse, byte_length: int) -> None:
+        """One line per chunk with the DiT phase's span (or the session's when the DiT sent none)."""
+        try:
+            span = tracing.parse_optional(meta.trace.traceparent) or self.trace
+        except tracing.TraceContextError as exc:  # logging must never fail the session
+            log.warning("chunk %d: DiT sent a bad trace context: %s", reply.chunk_index, exc)
+            span = self.trace
+        log.info("chunk %d received (%d.%d, %d bytes)", reply.chunk_index, meta.request_index,
+                 meta.phase_index, byte_length,
+                 extra={"chunk_index": reply.chunk_index, "request_index": meta.request_index,
+                        "phase_index": meta.phase_index, **span.log_fields(),
+                        "dit_s": round(sum(meta.stage_seconds.values()), 4),
+                        "vae_s": round(reply.video_decode_seconds + reply.audio_decode_seconds, 4),
+                        "mux_s": round(reply.mux_seconds, 4)})
+
     async def update_prompt(self, event_id: str, prompt: str) -> None:
         """Encode the new prompt and send it to the DiT, which installs it at the next request."""
         if self._cancelled:
             raise InvalidRequest("the session has ended")
         started = time.perf_counter()
-        parts, _ = await self.pipeline.encode(self.request.request_id, prompt)
+        parts, _ = await self.pipeline.encode(self.request.request_id, prompt, self.trace.child())
         self._text_seconds.append(time.perf_counter() - started)
         try:
             await self._write_prompt(event_id, parts, dit_pb2.PROMPT_ROLE_ACTIVE)

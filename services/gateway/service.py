@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from services.common.logging_setup import log_context
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import (
@@ -154,8 +155,9 @@ class SessionService:
         except QueueFull as exc:
             self.metrics.sessions_total.labels(outcome="rejected").inc()
             raise ProtocolError(ErrorCode.QUEUE_FULL, str(exc)) from None
-        logger.info("session %s accepted (%dx%d seed %d)", request_id, request.width,
-                    request.height, request.seed)
+        with log_context(session_id=request_id):
+            logger.info("session %s accepted (%dx%d seed %d)", request_id, request.width,
+                        request.height, request.seed)
         return session
 
     async def health(self) -> dict[str, object]:
@@ -240,6 +242,10 @@ class Session:
 
     async def run(self) -> Outcome:
         """Drive the session to its end; cancelling this coroutine cancels the backend session."""
+        with log_context(session_id=self.request_id):  # every log line of the session, backend included
+            return await self._run()
+
+    async def _run(self) -> Outcome:
         self._ran = True
         outcome = Outcome.DISCONNECTED
         updater: asyncio.Task[None] | None = None

@@ -1,10 +1,10 @@
 """`python -m services.vae --profile configs/tiny_cpu.yaml [--port N]`"""
 import argparse
 import asyncio
-import logging
 
 from services.common.config import load_profile
 from services.common.grpc_server import serve
+from services.common.logging_setup import configure_logging
 from services.vae.service import VAEStage
 
 
@@ -13,7 +13,7 @@ def main() -> None:
     parser.add_argument("--profile", required=True)
     parser.add_argument("--port", type=int, help="override the profile's VAE port")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s vae %(levelname)s %(message)s")
+    configure_logging("vae")
     profile = load_profile(args.profile)
     port = args.port or profile.endpoints.port_of("vae")
     asyncio.run(serve(VAEStage(profile), port, profile.vae.metrics_port))

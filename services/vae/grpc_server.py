@@ -1,4 +1,9 @@
-"""gRPC mapping of the VAE stage: one `Decode` call is one stream; each phase_end yields one fMP4 chunk."""
+"""gRPC mapping of the VAE stage: one `Decode` call is one stream; each phase_end yields one fMP4 chunk.
+
+Observability: every log line of a call carries `start.session_id` and the session's trace id (from the
+`traceparent` call metadata, or a new trace when absent); each chunk's line also carries the DiT phase's
+span from `PhaseEnd.trace` with its decode and mux seconds.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +11,10 @@ import logging
 
 import grpc
 
+from services.common import tracing
 from services.common.errors import SequenceMismatch, abort_with
-from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY
+from services.common.logging_setup import log_context
+from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
 from services.common.transport import MAX_PART_BYTES, TensorAssembler
 from services.vae.service import Chunk, VAEService
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
@@ -36,36 +43,56 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
             if first is None or first.WhichOneof("kind") != "start":
                 raise SequenceMismatch("the first message of a Decode stream must be `start`")
             s = first.start
-            session = await asyncio.to_thread(self.service.open, s.width, s.height, s.fps or 24,
-                                              s.sample_rate or 32000)
-            video_parts, audio_parts = TensorAssembler("video latents"), TensorAssembler("audio latents")
-            video = audio = None
-            index = 0
-            async for request in request_iterator:
-                kind = request.WhichOneof("kind")
-                if kind == "video":
-                    video = video_parts.add(request.video) if video is None else _twice("video")
-                elif kind == "audio":
-                    audio = audio_parts.add(request.audio) if audio is None else _twice("audio")
-                elif kind == "phase_end":
-                    if video is None or audio is None:
-                        raise SequenceMismatch("phase_end before the phase's video and audio latents")
-                    chunk = await asyncio.to_thread(session.phase, video.float(), audio.float())
-                    for stage, seconds in (("video_decode", chunk.video_decode_seconds),
-                                           ("audio_decode", chunk.audio_decode_seconds),
-                                           ("mux", chunk.mux_seconds)):
-                        STAGE_LATENCY.labels(stage=stage).observe(seconds)
-                    for message in chunk_messages(index, chunk):
-                        yield message
-                    index, video, audio = index + 1, None, None
-                else:
-                    raise SequenceMismatch(f"unexpected {kind} after start")
+            session_span = tracing.continue_trace(tracing.metadata_traceparent(context.invocation_metadata()))
+            with log_context(session_id=s.session_id or None, trace_id=session_span.trace_id):
+                session = await asyncio.to_thread(self.service.open, s.width, s.height, s.fps or 24,
+                                                  s.sample_rate or 32000)
+                log.info("decode session opened: %dx%d", s.width, s.height)
+                video_parts, audio_parts = TensorAssembler("video latents"), TensorAssembler("audio latents")
+                video = audio = None
+                index = 0
+                async for request in request_iterator:
+                    kind = request.WhichOneof("kind")
+                    if kind == "video":
+                        video = video_parts.add(request.video) if video is None else _twice("video")
+                    elif kind == "audio":
+                        audio = audio_parts.add(request.audio) if audio is None else _twice("audio")
+                    elif kind == "phase_end":
+                        if video is None or audio is None:
+                            raise SequenceMismatch("phase_end before the phase's video and audio latents")
+                        chunk = await asyncio.to_thread(session.phase, video.float(), audio.float())
+                        observe(index, request.phase_end, chunk)
+                        for message in chunk_messages(index, chunk):
+                            yield message
+                        index, video, audio = index + 1, None, None
+                    else:
+                        raise SequenceMismatch(f"unexpected {kind} after start")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the boundary: every failure becomes a status
             await abort_with(context, exc)
         finally:
             ACTIVE_SESSIONS.dec()
+
+
+def observe(index: int, phase_end: vae_pb2.PhaseEnd, chunk: Chunk) -> None:
+    """Record one chunk's stage latencies and log them with the DiT phase's trace context."""
+    timings = (("video_decode", chunk.video_decode_seconds), ("audio_decode", chunk.audio_decode_seconds),
+               ("mux", chunk.mux_seconds))
+    for stage, seconds in timings:
+        STAGE_LATENCY.labels(stage=stage).observe(seconds)
+    record_gpu_memory()
+    fields: dict[str, object] = {"chunk_index": index, "request_index": phase_end.request_index,
+                                 "phase_index": phase_end.phase_index}
+    try:
+        phase_span = tracing.parse_optional(phase_end.trace.traceparent)
+    except tracing.TraceContextError as exc:  # a bad trace never fails decoding; the line says why
+        log.warning("chunk %d: ignoring the phase's trace context: %s", index, exc)
+        phase_span = None
+    if phase_span is not None:
+        fields.update(phase_span.log_fields())
+    fields.update({f"{stage}_s": round(seconds, 4) for stage, seconds in timings})
+    log.info("chunk %d decoded (%d bytes)", index, len(chunk.data), extra=fields)
 
 
 def _twice(what: str):

@@ -1,11 +1,14 @@
 """End-to-end sessions over a real websocket against the fake pipeline (real fMP4 bytes)."""
 import asyncio
 import io
+import json
+import logging
 
 import aiohttp
 import av
 import pytest
 
+from services.common.logging_setup import JsonFormatter
 from services.gateway.pipeline import BackendUnavailable
 from services.gateway.protocol import PacingSettings
 from services.gateway.service import MediaPacer
@@ -213,11 +216,13 @@ async def test_health_metrics_and_page_endpoints():
                 script_status = resp.status
         pipeline.behaviour.healthy = False
         status, report = await healthz(server)
-    assert "vitascope_gateway_time_to_first_chunk_seconds_count 1.0" in text
-    assert "vitascope_gateway_inter_chunk_interval_seconds_count 2.0" in text
-    assert 'vitascope_gateway_chunk_latency_seconds_count{stage="dit"} 3.0' in text
-    assert 'vitascope_gateway_sessions_total{outcome="completed"} 1.0' in text
-    assert "vitascope_gateway_sessions_active 0.0" in text
+    assert "vitascope_time_to_first_chunk_seconds_count 1.0" in text
+    assert "vitascope_chunk_interval_seconds_count 2.0" in text
+    assert 'vitascope_stage_latency_seconds_count{stage="dit"} 3.0' in text
+    assert 'vitascope_sessions_total{outcome="completed"} 1.0' in text
+    assert "vitascope_active_sessions 0.0" in text
+    assert "vitascope_queued_sessions 0.0" in text
+    assert "vitascope_gateway_" not in text
     assert "<video" in page and script_status == 200
     assert status == 503 and report["ok"] is False
 
@@ -274,3 +279,23 @@ async def test_paced_session_streams_no_faster_than_media_time():
     assert elapsed >= 0.7  # the 4th chunk is due 0.75 s after the first
     assert t.texts[0]["config"]["extra_params"]["pace_to_media_time"] is True
     assert "pace_to_media_time" not in pipeline.records[0].request.extra
+
+
+async def test_session_log_lines_carry_the_session_id():
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter("gateway"))
+    gateway_log = logging.getLogger("services.gateway")
+    gateway_log.addHandler(handler)
+    gateway_log.setLevel(logging.INFO)
+    try:
+        async with running_gateway(small_config(), FakePipeline(FakeBehaviour(num_chunks=2))) as server:
+            t = await run_good_session(server)
+    finally:
+        gateway_log.removeHandler(handler)
+        gateway_log.setLevel(logging.NOTSET)
+    request_id = t.texts[0]["request_id"]
+    entries = [json.loads(line) for line in stream.getvalue().splitlines()]
+    session_lines = [e for e in entries if e["msg"].startswith(f"session {request_id}")]
+    assert [e["msg"].split()[2] for e in session_lines] == ["accepted", "ended:"]
+    assert all(e["session_id"] == request_id for e in session_lines)

@@ -1,0 +1,349 @@
+"""Session benchmark on one GPU group: `python -m services.bench --requests 4 --fp8 --adaln-cache --baseline`.
+
+Runs the whole generation path in one process with random weights built on the device (no files): text
+encoder → DiT streaming runtime (LoRA student, audio teacher, clean commit) → incremental video/audio decode →
+fMP4 mux, with a new prompt every request, and the latents' host-bytes transport encoded and decoded as the
+services do. Prints per-request time and real-time factor, time to first chunk, a per-stage breakdown, peak
+memory, start-up time, the FLOP count and floor of each request, and (with --baseline) the same DiT phase
+forward through diffusers' `MiniMaxH3Transformer3DModel` beside ours. Knows nothing about gRPC or websockets.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import logging
+import statistics
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from services.common.transport import TensorAssembler, tensor_to_parts
+from services.dit.api import PromptUpdate, SessionConfig
+from peft.tuners.lora import LoraLayer
+
+from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
+from services.dit.group import DiTGroup
+from services.dit.lora import ADAPTER_NAME
+from services.dit.model import PRESETS, DiT, FullAttention, ModelArgs
+from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
+from services.dit.service import build_runtime
+from services.encoder.model import TextEncoder
+from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
+from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
+from services.vae.mux import FragmentedMP4Muxer
+
+log = logging.getLogger("services.bench")
+
+BF16_TFLOPS = 788.0
+"""Dense BF16 matrix rate measured on this workplace's H200 (8192³ on random data)."""
+FP8_TFLOPS = 2 * BF16_TFLOPS
+"""Hopper's dense FP8 rate is twice its BF16 rate."""
+ATTENTION_BACKENDS = {
+    "default": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+              SDPBackend.MATH],
+}
+
+
+@dataclasses.dataclass
+class FlopCounter:
+    """Analytic FLOPs of every DiT forward, counted from its layout and attention pattern (real rows only)."""
+
+    args: ModelArgs
+    lora_rank: int
+    linear: float = 0.0
+    attention: float = 0.0
+
+    def per_row_linear(self) -> float:
+        a = self.args
+        weights = a.hidden_size * 3 * a.inner_dim + a.inner_dim * a.hidden_size \
+            + a.hidden_size * 2 * a.ffn_hidden + a.ffn_hidden * a.hidden_size
+        lora = self.lora_rank * (a.hidden_size + 3 * a.inner_dim + a.inner_dim + a.hidden_size
+                                 + a.hidden_size + 2 * a.ffn_hidden + a.ffn_hidden + a.hidden_size)
+        return 2.0 * (weights + lora)
+
+    def hook(self, module: DiT, args: tuple, kwargs: dict) -> None:
+        layout = kwargs.get("layout", args[3] if len(args) > 3 else None)
+        attention = kwargs.get("attention", args[4] if len(args) > 4 else None)
+        a, tt, real = self.args, layout.text_len, layout.num_real
+        media = real - tt
+        cache = getattr(attention, "cache", None)
+        history = cache.live if cache is not None else 0
+        full = isinstance(attention, FullAttention)
+        pairs = real * real if full else tt * tt + media * (tt + history + media)
+        self.linear += self.per_row_linear() * (a.num_layers * real + a.refiner_layers * tt)
+        self.attention += 4.0 * a.head_dim * a.num_heads * (a.num_layers * pairs + a.refiner_layers * tt * tt)
+
+    def take(self) -> tuple[float, float]:
+        out = (self.linear, self.attention)
+        self.linear = self.attention = 0.0
+        return out
+
+
+def floor_seconds(linear: float, attention: float, gpus: int, fp8: bool) -> float:
+    """Time at the measured matrix rates if every FLOP ran at peak on `gpus` GPUs."""
+    linear_rate = (FP8_TFLOPS if fp8 else BF16_TFLOPS) * 1e12
+    return (linear / linear_rate + attention / (BF16_TFLOPS * 1e12)) / gpus
+
+
+def lora_rank(model: torch.nn.Module) -> int:
+    """Rank of the LoRA installed on the model (0 without one)."""
+    layer = next((m for m in model.modules() if isinstance(m, LoraLayer)), None)
+    return layer.r[ADAPTER_NAME] if layer is not None else 0
+
+
+def prompt_text(k: int, approx_tokens: int) -> str:
+    """A distinct prompt per request; random-weight encoders tokenise bytes, so length ≈ tokens."""
+    words = ["neon", "rain", "city", "night", "a", "fox", "runs", "across", "the", "frozen", "river", "while",
+             "drums", "play", "softly", "and", "a", "choir", "sings", "over", "wind"]
+    text, i = f"request {k}:", k
+    while len(text) < approx_tokens:
+        text += " " + words[i % len(words)]
+        i += 7
+    return text[:approx_tokens]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def transport(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Encode a tensor to host-byte parts and decode it back, as between two stage processes."""
+    asm = TensorAssembler(name)
+    out = None
+    for part in tensor_to_parts(t):
+        out = asm.add(part)
+    return out
+
+
+def build(opts):
+    """Build encoder and VAEs here and the DiT runtime (one rank, or a Ulysses group) with the profile's options."""
+    started = time.perf_counter()
+    devices = tuple(opts.devices.split(","))
+    cuda = devices[0].startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    profile = Profile(
+        name="bench", model=ModelConfig(preset=opts.preset, dir="", random_weights_on_device=True),
+        encoder=EncoderConfig(max_tokens=opts.max_tokens),
+        dit=DiTConfig(devices=devices, dtype="bfloat16" if cuda else "float32",
+                      canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache))
+    runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
+        else DiTGroup.start(profile, build_runtime)
+    encoder_device, vae_device = torch.device(devices[0]), torch.device(devices[-1])
+    encoder = TextEncoder.random(opts.preset, encoder_device, dtype, max_tokens=opts.max_tokens)
+    video = VideoDecoder(build_video_vae(opts.preset).to(vae_device, dtype).eval())
+    audio = AudioDecoder(build_audio_vae(opts.preset).to(vae_device).eval())
+    for d in {encoder_device, vae_device}:
+        sync(d)
+    return profile, encoder, runtime, video, audio, time.perf_counter() - started
+
+
+def gpu_memory_in_use() -> dict[str, int]:
+    """Bytes in use on every visible GPU, by all processes (DiT ranks, encoder and VAE together)."""
+    out = {}
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        free, total = torch.cuda.mem_get_info(i)
+        out[f"cuda:{i}"] = total - free
+    return out
+
+
+def warmup(opts, device, encoder, runtime, video_dec, audio_dec) -> float:
+    """One phase of a throw-away session plus one decode, as the services do before reporting SERVING."""
+    started = time.perf_counter()
+    text = encoder.encode_ids([b % encoder.stack.args.vocab_size for b in prompt_text(99, opts.prompt_tokens).encode()])
+    session = runtime.open_session(SessionConfig(seed=1, width=opts.width, height=opts.height),
+                                   PromptUpdate(text.float(), "warmup"))
+    try:
+        out = session.next_phase()
+    finally:
+        session.close()
+    vdec, adec = IncrementalVideoDecoder(video_dec), IncrementalAudioDecoder(audio_dec)
+    vdec.decode(out.video.to(video_dec.device))
+    adec.decode(out.audio.to(audio_dec.device))
+    sync(device)
+    return time.perf_counter() - started
+
+
+def run_session(opts, device, encoder, runtime, video_dec, audio_dec, flops: FlopCounter):
+    """Stream opts.requests requests with a new prompt each; returns per-phase records and TTFC."""
+    records, t_open = [], time.perf_counter()
+    first = encoder.encode_ids([b % encoder.stack.args.vocab_size for b in prompt_text(0, opts.prompt_tokens).encode()])
+    session = runtime.open_session(SessionConfig(seed=8301, width=opts.width, height=opts.height),
+                                   PromptUpdate(first.float(), "p0"))
+    vdec, adec = IncrementalVideoDecoder(video_dec), IncrementalAudioDecoder(audio_dec)
+    mux = FragmentedMP4Muxer(opts.width, opts.height, fps=24, sample_rate=32000)
+    ttfc = None
+    try:
+        for k in range(opts.requests):
+            for p in range(4):
+                rec = {"request": k, "phase": p}
+                if p == 1 and k + 1 < opts.requests:  # the next request's prompt arrives mid-request
+                    t0 = time.perf_counter()
+                    text = encoder.encode_ids([b % encoder.stack.args.vocab_size
+                                               for b in prompt_text(k + 1, opts.prompt_tokens).encode()])
+                    sync(device)
+                    rec["text"] = time.perf_counter() - t0
+                    session.submit_prompt(PromptUpdate(text.float(), f"p{k + 1}"))
+                t0 = time.perf_counter()
+                out = session.next_phase()
+                sync(device)
+                t1 = time.perf_counter()
+                rec.update(dit=t1 - t0, teacher=out.meta.timings.teacher_s, student=out.meta.timings.student_s,
+                           commit=out.meta.timings.commit_s, frames=out.meta.num_frames)
+                rec["linear_flops"], rec["attn_flops"] = flops.take()
+                v, a = transport(out.video, "video"), transport(out.audio, "audio")
+                t2 = time.perf_counter()
+                frames = vdec.decode(v.to(device))
+                sync(device)
+                t3 = time.perf_counter()
+                samples = adec.decode(a.to(device))
+                t4 = time.perf_counter()
+                data = mux.encode(frames.numpy(), samples.numpy())
+                t5 = time.perf_counter()
+                rec.update(transport=t2 - t1, video_decode=t3 - t2, audio_decode=t4 - t3, mux=t5 - t4,
+                           bytes=len(data))
+                if ttfc is None:
+                    ttfc = t5 - t_open
+                records.append(rec)
+                log.info("request %d phase %d: dit %.3f s (teacher %.3f) vae %.3f s mux %.3f s", k, p,
+                         rec["dit"], rec["teacher"], t4 - t2, t5 - t4)
+    finally:
+        session.close()
+    return records, ttfc
+
+
+def baseline(opts, device, model: DiT) -> dict:
+    """One 10-latent phase forward without history: diffusers' model vs ours (same rows, random weights)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from services.dit.checkpoint import config_for
+    from services.dit.layout import pack_layout
+
+    a = model.args
+    tt, ta, tv = 400, 57, 10 * (opts.height // 32) * (opts.width // 32)
+    gen = torch.Generator(device=device).manual_seed(3)
+    pos = lambda n: torch.rand(n, 3, device=device, generator=gen) * 100  # noqa: E731
+    vt, at = model_t(VIDEO_SIGMAS[1]), model_t(AUDIO_SIGMAS[1])  # a student step's timesteps (AdaLN-cached)
+    layout = pack_layout(text_len=tt, audio_len_per_channel=ta, video_rows=tv, positions_text=pos(tt),
+                         positions_audio=pos(2 * ta), positions_video=pos(tv), video_t=vt, audio_t=at).to(device)
+    video = torch.randn(tv, a.video_row_dim, device=device, generator=gen)
+    audio = torch.randn(2 * ta, a.audio_channels, device=device, generator=gen)
+    text = torch.randn(tt, a.text_dim, device=device, generator=gen, dtype=torch.bfloat16)
+
+    def timed(fn, runs=5):
+        fn()
+        sync(device)
+        times = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            sync(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        ours = timed(lambda: model(video, audio, text, layout, FullAttention(layout)))
+        cfg = {k: v for k, v in config_for(a, "diffusers").items() if not k.startswith("_")}
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # build straight on the device in BF16 (66 GB; fp32 would not fit)
+        try:
+            with torch.device(device):
+                ref = MiniMaxH3Transformer3DModel(**cfg).eval()
+            ref.to(device)  # buffers built on the CPU (rope.inv_freq)
+        finally:
+            torch.set_default_dtype(default)
+        real = layout.num_real
+        idx = torch.arange(real, device=device)
+        tags = layout.tags[:real]
+        ts = torch.tensor([vt, at], device=device)
+        slot = (tags == 2).long()
+        theirs = timed(lambda: ref(hidden_states=video[None].bfloat16(), audio_hidden_states=audio[None].bfloat16(),
+                                   encoder_hidden_states=text[None], timestep=ts, timestep_indices=slot,
+                                   token_tags=tags.clamp(min=0), position_ids=layout.positions[:real],
+                                   video_indices=idx[tags == 0], audio_indices=idx[tags == 2],
+                                   text_indices=idx[tags == 1]))
+        del ref
+    torch.cuda.empty_cache()
+    return {"rows": real, "ours_s": ours, "diffusers_s": theirs}
+
+
+def summarize(opts, records, ttfc, startup, gpus: int) -> str:
+    lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
+             f"adaln_cache={opts.adaln_cache}, attention={opts.attention}, GPUs={gpus}",
+             f"start-up (build on device + warm-up phase): {startup:.1f} s",
+             f"time to first chunk (first session after start-up, includes first prompt + teacher): {ttfc:.3f} s", "",
+             "req |   DiT s | teacher | student | commit | transport | vdecode | adecode |  mux | serial s | RTF "
+             "| pipelined RTF | PFLOP | floor s | DiT/floor"]
+    stages = ("dit", "teacher", "student", "commit", "transport", "video_decode", "audio_decode", "mux")
+    for k in range(opts.requests):
+        rs = [r for r in records if r["request"] == k]
+        tot = {s: sum(r[s] for r in rs) for s in stages}
+        serial = sum(tot[s] for s in ("dit", "transport", "video_decode", "audio_decode", "mux"))
+        media = sum(r["frames"] for r in rs) / 24
+        pipelined = max(tot["dit"], tot["transport"] + tot["video_decode"] + tot["audio_decode"] + tot["mux"])
+        lin, att = sum(r["linear_flops"] for r in rs), sum(r["attn_flops"] for r in rs)
+        floor = floor_seconds(lin, att, gpus, opts.fp8)
+        lines.append(f"{k:3d} | {tot['dit']:7.3f} | {tot['teacher']:7.3f} | {tot['student']:7.3f} | "
+                     f"{tot['commit']:6.3f} | {tot['transport']:9.3f} | {tot['video_decode']:7.3f} | "
+                     f"{tot['audio_decode']:7.3f} | {tot['mux']:4.3f} | {serial:8.3f} | {serial / media:.2f} | "
+                     f"{pipelined / media:13.2f} | {(lin + att) / 1e15:5.2f} | {floor:7.3f} | {tot['dit'] / floor:.2f}")
+    if torch.cuda.is_available():
+        lines.append(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated, "
+                     f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="full", choices=sorted(PRESETS))
+    parser.add_argument("--devices", default="cuda:0",
+                        help="comma-separated DiT devices, one per Ulysses rank; encoder on the first, VAE on the last")
+    parser.add_argument("--width", type=int, default=864)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=380)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--adaln-cache", action="store_true")
+    parser.add_argument("--baseline", action="store_true", help="also time diffusers' forward (CUDA only)")
+    parser.add_argument("--attention", default="default", choices=sorted(ATTENTION_BACKENDS),
+                        help="preferred torch SDPA kernel for the session")
+    opts = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = torch.device(opts.devices.split(",")[0])
+    torch.manual_seed(0)
+    with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS[opts.attention], set_priority=True):
+        profile, encoder, runtime, video, audio, startup = build(opts)
+        startup += warmup(opts, device, encoder, runtime, video, audio)
+        flops = FlopCounter(runtime.model.args, lora_rank(runtime.model))
+        runtime.model.register_forward_pre_hook(flops.hook, with_kwargs=True)
+        records, ttfc = run_session(opts, device, encoder, runtime, video, audio, flops)
+        in_use = gpu_memory_in_use()
+    del encoder, video, audio
+    if isinstance(runtime, DiTGroup):
+        runtime.shutdown()
+    gpus = profile.dit.usp_degree
+    del runtime
+    gc.collect()
+    print(summarize(opts, records, ttfc, startup, gpus=gpus), flush=True)
+    for name, used in in_use.items():
+        print(f"{name}: {used / 2**30:.1f} GiB in use by every process at the end of the session", flush=True)
+    base = None
+    if opts.baseline:  # one GPU, a fresh DiT built like the profile's (FP8, AdaLN cache, LoRA)
+        torch.cuda.empty_cache()
+        single = dataclasses.replace(profile, dit=dataclasses.replace(profile.dit, devices=(str(device),)))
+        with torch.inference_mode():
+            base = baseline(opts, device, build_runtime(single, device).model)
+    if base is not None:
+        print(f"phase forward, {base['rows']} rows, no history, one GPU: ours {base['ours_s'] * 1e3:.0f} ms, "
+              f"diffusers MiniMaxH3Transformer3DModel {base['diffusers_s'] * 1e3:.0f} ms "
+              f"(x{base['diffusers_s'] / base['ours_s']:.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

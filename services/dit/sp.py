@@ -1,0 +1,130 @@
+"""Ulysses sequence parallelism for the DiT, installed from outside the model.
+
+`install_ulysses(model, group)` gives the DiT a `UlyssesShard` (its packed rows split into N equal contiguous
+slices, one per rank, gathered back before the heads) and wraps the attention callable every block receives:
+one packed-QKV all-to-all turns the sequence shard `[S/N, H, D]` x 3 into the head shard `[S, H/N, D]` x 3, the
+inner pattern (full or streaming) runs over all rows for this rank's heads (so a KV cache keeps `[rows, H/N, D]`
+per rank), and a second all-to-all restores `[S/N, H, D]`. The text refiner runs replicated (text rows only).
+The same `all_to_all_single` path serves NCCL and gloo. Knows nothing about sessions, KV retention, LoRA or
+how the ranks were started.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+from torch.distributed import ProcessGroup
+
+from services.dit.model import Block, DiT, NoShard
+
+log = logging.getLogger(__name__)
+
+
+class UlyssesShard:
+    """`SequenceShard` over `world_size` ranks: rank r holds rows [r * S/N, (r + 1) * S/N) of the packed sequence."""
+
+    def __init__(self, group: ProcessGroup | None, rank: int, world_size: int):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
+        self.group, self.rank, self.world_size = group, rank, world_size
+
+    def _rows(self, x: torch.Tensor) -> int:
+        s = x.shape[0]
+        if s % self.world_size:
+            raise ValueError(f"packed length {s} is not divisible by the Ulysses degree {self.world_size}; "
+                             "pad the layout to a multiple of it")
+        return s // self.world_size
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of rows."""
+        # x: [S, ...] -> [S/N, ...]
+        n = self._rows(x)
+        return x.narrow(0, self.rank * n, n).contiguous()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's slice in rank order."""
+        # x: [S/N, ...] -> [S, ...]
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out
+
+
+def qkv_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None, world_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One all-to-all: sequence-sharded q/k/v -> every row for this rank's H/N heads."""
+    # q, k, v: [S/N, H, D] -> [S, H/N, D] each
+    packed = torch.stack([q, k, v])  # [3, S/N, H, D]
+    # chunk j of dim 0 goes to rank j: the heads [j * H/N, (j + 1) * H/N) of every local row
+    send = rearrange(packed, "t s (n h) d -> n t s h d", n=world_size).contiguous()
+    recv = torch.empty_like(send)  # chunk i came from rank i: its rows, our heads
+    dist.all_to_all_single(recv, send, group=group)
+    full = rearrange(recv, "n t s h d -> t (n s) h d")
+    return full[0], full[1], full[2]
+
+
+def out_to_sequence(out: torch.Tensor, group: ProcessGroup | None, world_size: int) -> torch.Tensor:
+    """The inverse all-to-all: this rank's heads of every row -> every head of this rank's rows."""
+    # out: [S, H/N, D] -> [S/N, H, D]
+    send = rearrange(out, "(n s) h d -> n s h d", n=world_size).contiguous()  # chunk j: rank j's rows
+    recv = torch.empty_like(send)  # chunk i: head group i of our rows
+    dist.all_to_all_single(recv, send, group=group)
+    return rearrange(recv, "n s h d -> s (n h) d")
+
+
+class UlyssesAttend:
+    """Wraps one block's `attend(q, k, v)` with the Ulysses all-to-alls."""
+
+    def __init__(self, inner, group: ProcessGroup | None, world_size: int):
+        self.inner, self.group, self.world_size = inner, group, world_size
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [S/N, H, D] -> [S/N, H, D]
+        qf, kf, vf = qkv_to_heads(q, k, v, self.group, self.world_size)
+        out = self.inner(qf, kf, vf)  # [S, H/N, D]
+        return out_to_sequence(out, self.group, self.world_size)
+
+
+@dataclass
+class UlyssesHandle:
+    """What `install_ulysses` changed; `remove()` restores the single-device model."""
+
+    model: DiT
+    hooks: list
+    world_size: int
+    rank: int
+
+    def remove(self) -> None:
+        """Uninstall: drop the hooks and restore the identity shard."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        self.model.sequence_shard = NoShard()
+
+
+def install_ulysses(model: DiT, group: ProcessGroup | None, rank: int, world_size: int) -> UlyssesHandle:
+    """Shard `model`'s packed sequence over `world_size` ranks of `group` and wrap every block's attention."""
+    heads = model.args.num_heads
+    if world_size < 1 or heads % world_size:
+        raise ValueError(f"Ulysses degree {world_size} must be >= 1 and divide num_heads={heads}")
+    if not isinstance(model.sequence_shard, NoShard):
+        raise ValueError("a sequence shard is already installed on this DiT; remove it first")
+    model.sequence_shard = UlyssesShard(group, rank, world_size)
+
+    def wrap_attend(module: Block, args: tuple, kwargs: dict):
+        # Block.forward(x, mod, attend, rope): swap attend for its Ulysses wrapper
+        if "attend" in kwargs:
+            kwargs = {**kwargs, "attend": UlyssesAttend(kwargs["attend"], group, world_size)}
+        else:
+            args = (*args[:2], UlyssesAttend(args[2], group, world_size), *args[3:])
+        return args, kwargs
+
+    hooks = [block.register_forward_pre_hook(wrap_attend, with_kwargs=True) for block in model.blocks]
+    log.info("Ulysses installed: rank %d of %d, %d heads per rank", rank, world_size, heads // world_size)
+    return UlyssesHandle(model, hooks, world_size, rank)

@@ -1,0 +1,184 @@
+"""CUDA IPC transport: handshake decisions, slot lease/generation bookkeeping, pool records (CPU); pool round trips
+and memory flatness across two processes (GPU)."""
+
+import os
+
+import pytest
+import torch
+
+from services.common import metrics
+from services.common.cuda_ipc import (MODE_HOST, MODE_IPC, IpcConsumer, IpcError, IpcProducer, PoolExhausted,
+                                      PoolRecord, SlotLedger, _check_ref, count_fallback, decide_transport,
+                                      local_hello, negotiate, read_boot_id, send_tensor)
+from vitascope.common.v1 import tensor_pb2 as pb
+
+BOOT = "3b1f0c9e-0000-4000-8000-000000000001"
+
+
+def hello(boot=BOOT, gpus=("GPU-a", "GPU-b"), pid=100):
+    return pb.TransportHello(boot_id=boot, gpu_uuids=list(gpus), pid=pid)
+
+
+@pytest.mark.cpu
+def test_handshake_picks_ipc_only_for_same_boot_other_pid_shared_gpu():
+    d = decide_transport(hello(), hello(gpus=("GPU-b", "GPU-c"), pid=200))
+    assert d.mode == MODE_IPC and d.shared_gpus == ("GPU-b",)
+    other_boot = decide_transport(hello(), hello(boot="ffff-other", pid=200))
+    assert other_boot.mode == MODE_HOST and "boot id" in other_boot.reason
+    same_pid = decide_transport(hello(), hello())
+    assert same_pid.mode == MODE_HOST and "same pid" in same_pid.reason
+    no_gpu = decide_transport(hello(), hello(gpus=("GPU-z",), pid=200))
+    assert no_gpu.mode == MODE_HOST and "GPU" in no_gpu.reason
+    no_cuda = decide_transport(hello(gpus=()), hello(pid=200))
+    assert no_cuda.mode == MODE_HOST
+    assert decide_transport(hello(boot=""), hello(boot="", pid=200)).mode == MODE_HOST
+
+
+@pytest.mark.cpu
+def test_local_hello_reads_this_process():
+    h = local_hello()
+    assert h.pid == os.getpid()
+    assert h.boot_id == read_boot_id()
+    if os.path.exists("/proc/sys/kernel/random/boot_id"):
+        assert len(h.boot_id) == 36
+    if not torch.cuda.is_available():
+        assert list(h.gpu_uuids) == []
+
+
+@pytest.mark.cpu
+def test_fallback_is_counted():
+    counter = metrics.TRANSPORT_FALLBACKS.labels(peer="test-peer")
+    before = counter._value.get()
+    count_fallback("test-peer", "different boot id")
+    assert counter._value.get() == before + 1
+
+
+@pytest.mark.cpu
+def test_negotiate_counts_host_decisions_only():
+    counter = metrics.TRANSPORT_FALLBACKS.labels(peer="dit->vae")
+    before = counter._value.get()
+    assert negotiate(hello(), hello(pid=200), "dit->vae").mode == MODE_IPC
+    assert counter._value.get() == before
+    assert negotiate(hello(), hello(boot="other", pid=200), "dit->vae").mode == MODE_HOST
+    assert counter._value.get() == before + 1
+
+
+@pytest.mark.cpu
+def test_gpu_check_refuses_to_run_without_cuda():
+    from services.dit.gpu_check import main, make_chunk
+
+    chunk = make_chunk(7, torch.device("cpu"))
+    assert chunk.shape == (128, 512) and torch.equal(chunk, make_chunk(7, torch.device("cpu")))
+    assert not torch.equal(chunk[:64], make_chunk(5, torch.device("cpu")))
+    if not torch.cuda.is_available():
+        assert main([]) == 2
+
+
+@pytest.mark.cpu
+def test_send_tensor_without_producer_uses_host_parts():
+    parts = send_tensor(torch.arange(6, dtype=torch.float32), None, "test-peer")
+    assert len(parts) == 1 and parts[0].WhichOneof("where") == "host"
+
+
+@pytest.mark.cpu
+def test_ledger_lease_release_and_generations():
+    ledger = SlotLedger(2)
+    s0, g0 = ledger.lease()
+    s1, g1 = ledger.lease()
+    assert (s0, s1) == (0, 1) and g1 > g0 and ledger.leased == 2
+    ledger.release(s0, g0)
+    s2, g2 = ledger.lease()
+    assert s2 == s0 and g2 > g1  # the reused slot gets a new generation
+    with pytest.raises(IpcError, match="stale release of slot 0: generation"):
+        ledger.release(s0, g0)  # the old lease of the same slot
+    ledger.release(s2, g2)
+    with pytest.raises(IpcError, match="double release of slot 0"):
+        ledger.release(s2, g2)
+    with pytest.raises(IpcError, match="slots 0..1"):
+        ledger.release(7, g2)
+    assert ledger.leased == 1
+
+
+@pytest.mark.cpu
+def test_ledger_reclaim_all_after_disconnect():
+    ledger = SlotLedger(3)
+    a, b = ledger.lease(), ledger.lease()
+    ledger.release(*a)
+    assert ledger.reclaim_all() == 1 and ledger.leased == 0
+    with pytest.raises(IpcError, match="stale release"):
+        ledger.release(*b)  # the disconnected consumer's late release
+    assert {ledger.lease()[0] for _ in range(3)} == {0, 1, 2}
+
+
+@pytest.mark.cpu
+def test_ledger_exhaustion_is_a_clear_error():
+    ledger = SlotLedger(3)
+    leases = [ledger.lease() for _ in range(3)]
+    with pytest.raises(PoolExhausted, match="all 3 slots are leased"):
+        ledger.lease()
+    ledger.release(*leases[1])
+    assert ledger.lease()[0] == leases[1][0]
+    with pytest.raises(IpcError, match="num_slots"):
+        SlotLedger(0)
+
+
+@pytest.mark.cpu
+def test_pool_record_round_trip_and_rejects_garbage():
+    rec = PoolRecord("GPU-a", b"\x00\x01" * 32, 64 << 20, 512, b"/torch_123_ref", 8, None, False, 42, "ab12")
+    pool_id = rec.to_pool_id()
+    assert pool_id.startswith("cudaipc1:")
+    assert PoolRecord.from_pool_id(pool_id) == rec
+    with pytest.raises(IpcError, match="not a 'cudaipc1:'"):
+        PoolRecord.from_pool_id("pool-7")
+    with pytest.raises(IpcError, match="does not decode"):
+        PoolRecord.from_pool_id("cudaipc1:!!!notbase64")
+
+
+@pytest.mark.cpu
+def test_ref_checks_bytes_and_bounds():
+    meta = pb.TensorMeta(dtype=pb.BFLOAT16, shape=[4, 8])
+    ok = pb.CudaIpcRef(slot=1, offset_bytes=2 << 20, nbytes=64)
+    assert _check_ref(ok, meta, 4 << 20) == (torch.bfloat16, [4, 8])
+    with pytest.raises(IpcError, match="expected 64"):
+        _check_ref(pb.CudaIpcRef(slot=1, offset_bytes=0, nbytes=60), meta, 4 << 20)
+    with pytest.raises(IpcError, match="outside"):
+        _check_ref(pb.CudaIpcRef(slot=1, offset_bytes=(4 << 20) - 32, nbytes=64), meta, 4 << 20)
+
+
+@pytest.mark.cpu
+def test_producer_refuses_cpu_device():
+    with pytest.raises(IpcError, match="needs a CUDA device"):
+        IpcProducer("cpu", 1 << 20)
+
+
+@pytest.mark.gpu
+def test_producer_pool_is_aligned_and_exhausts():
+    prod = IpcProducer(0, 3 << 20, num_slots=2)
+    assert prod.slot_bytes == 2 << 20 and prod.pool_bytes == 4 << 20
+    x = torch.randn(1000, device="cuda")
+    parts = [prod.export(x), prod.export(x)]
+    assert all((prod._buffer.data_ptr() + p.cuda.offset_bytes) % (2 << 20) == 0 for p in parts)
+    with pytest.raises(PoolExhausted):
+        prod.export(x)
+    prod.release(pb.Release(pool_id=prod.pool_id, slot=parts[0].cuda.slot, generation=parts[0].cuda.generation))
+    assert prod.export(x).cuda.slot == parts[0].cuda.slot
+    with pytest.raises(IpcError, match="does not fit"):
+        prod.export(torch.empty(3 << 20, dtype=torch.uint8, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_consumer_refuses_own_pool():
+    prod = IpcProducer(0, 2 << 20, num_slots=1)
+    part = prod.export(torch.ones(4, device="cuda"))
+    with pytest.raises(IpcError, match="this very process"):
+        IpcConsumer().open(part)
+
+
+@pytest.mark.gpu
+def test_two_process_round_trip_and_flat_memory():
+    from services.dit.gpu_check import ipc_flatness_loop
+
+    result = ipc_flatness_loop(chunks=1000)
+    assert result["mismatches"] == 0
+    assert result["producer_growth_bytes"] == 0
+    assert result["consumer_growth_bytes"] == 0

@@ -1,0 +1,286 @@
+"""Ulysses sequence parallelism on CPU (gloo): USP2/USP4 forwards and a USP2 streaming session equal one rank,
+each rank's KV cache holds its head shard, and a killed rank fails the group instead of hanging."""
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.common.config import DiTConfig, ModelConfig, Profile
+from services.dit.api import HoldConfig, PhaseOutput, PromptUpdate, RuntimeConfig, SessionCancelled, SessionConfig
+from services.dit.group import DiTGroup, GroupFailed
+from services.dit.launch import GroupOptions, free_port, rank_device_env
+from services.dit.layout import pack_layout
+from services.dit.model import PRESETS, FullAttention, build_random
+from services.dit.runtime import DiTRuntime
+from services.dit.sp import install_ulysses, out_to_sequence, qkv_to_heads
+
+ARGS = PRESETS["tiny"]  # 4 heads: N = 2 and N = 4 both divide
+TEXT_TOKENS = 16
+CANVAS = (64, 64)
+
+
+def build_tiny(profile: Profile, device: torch.device) -> DiTRuntime:
+    """The group's builder: the tiny preset with seed-0 random weights (identical on every rank)."""
+    torch.set_num_threads(1)
+    model = build_random(PRESETS[profile.model.preset], device, getattr(torch, profile.dit.dtype), seed=0)
+    return DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=TEXT_TOKENS,
+                                                      ulysses_degree=profile.dit.usp_degree))
+
+
+def tiny_profile(devices: tuple[str, ...], dtype: str = "float32") -> Profile:
+    return Profile(name="usp-test", model=ModelConfig(preset="tiny", dir="/nonexistent"),
+                   dit=DiTConfig(devices=devices, dtype=dtype, canvas_short_edges=(64,)))
+
+
+def forward_inputs(device: str = "cpu"):
+    """A text + audio + video document of 4 + 2 * 7 + 24 = 42 real rows, padded to 64."""
+    gen = torch.Generator().manual_seed(7)
+    tt, ta, tv = 4, 7, 24
+    layout = pack_layout(text_len=tt, audio_len_per_channel=ta, video_rows=tv,
+                         positions_text=torch.rand(tt, 3, generator=gen) * 8,
+                         positions_audio=torch.rand(2 * ta, 3, generator=gen) * 8,
+                         positions_video=torch.rand(tv, 3, generator=gen) * 8, video_t=0.7, audio_t=0.4)
+    video = torch.randn(tv, ARGS.video_row_dim, generator=gen)
+    audio = torch.randn(2 * ta, ARGS.audio_channels, generator=gen)
+    text = torch.randn(tt, ARGS.text_dim, generator=gen)
+    return video.to(device), audio.to(device), text.to(device), layout.to(device)
+
+
+def _forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One of 4 gloo ranks: a USP4 forward over all ranks, then a USP2 forward within ranks {0, 1} / {2, 3}."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in order
+        model = build_random(ARGS, "cpu", torch.float32, seed=0)
+        video, audio, text, layout = forward_inputs()
+        full = FullAttention(layout)
+        result = {}
+        for n, group, group_rank in ((4, None, rank), (2, pairs[rank // 2], rank % 2)):
+            shapes = []
+
+            def attention(layer, q, k, v):
+                shapes.append(tuple(q.shape))
+                return full(layer, q, k, v)
+
+            handle = install_ulysses(model, group, group_rank, n)
+            with torch.no_grad():
+                out = model(video, audio, text, layout, attention)
+            handle.remove()
+            result[n] = {"video": out[0], "audio": out[1], "shapes": shapes}
+        # the all-to-all pair alone: exact head shards of every row, and back to exact row shards
+        gen = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(layout.seq_len, ARGS.num_heads, ARGS.head_dim, generator=gen) for _ in range(3))
+        rows, heads = layout.seq_len // world, ARGS.num_heads // world
+        mine = slice(rank * rows, (rank + 1) * rows)
+        got = qkv_to_heads(q[mine], k[mine], v[mine], None, world)
+        head_slice = slice(rank * heads, (rank + 1) * heads)
+        result["a2a_exact"] = all(torch.equal(g, t[:, head_slice]) for g, t in zip(got, (q, k, v)))
+        result["a2a_back_exact"] = torch.equal(out_to_sequence(q[:, head_slice], None, world), q[mine])
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args) -> None:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=(r, world, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0] * world, f"rank exit codes {codes}"
+
+
+@pytest.mark.cpu
+def test_full_attention_forward_usp2_usp4_match_one_rank(tmp_path):
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    video, audio, text, layout = forward_inputs()
+    with torch.no_grad():
+        ref_v, ref_a = model(video, audio, text, layout, FullAttention(layout))
+    run_ranks(_forward_rank, 4, free_port("127.0.0.1"), str(tmp_path))
+    for r in range(4):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["a2a_exact"] and got["a2a_back_exact"]
+        for n in (2, 4):
+            # the inner pattern saw every row but only this rank's heads
+            expect = [(layout.seq_len, ARGS.num_heads // n, ARGS.head_dim)] * ARGS.num_layers
+            assert got[n]["shapes"] == expect
+            for ref, out in ((ref_v, got[n]["video"]), (ref_a, got[n]["audio"])):
+                assert out.shape == ref.shape
+                err = (out - ref).abs().max() / ref.abs().max()
+                assert err < 1e-5, f"USP{n} rank {r}: relative error {err:.2e}"
+
+
+HOLD = HoldConfig(enabled=True, max_seconds=0.3, poll_seconds=0.02)
+NUM_PHASES = 9  # request 0 (4 phases), request 1 (4), request 2 (1): an arrived prompt, then an expired hold
+
+
+def drive(session, prompts: list[PromptUpdate]) -> list:
+    """Phases of a held session: e1 arrives during request 0; request 2 finds none and falls back."""
+    outs = []
+    for i in range(NUM_PHASES):
+        if i == 1:
+            session.submit_prompt(prompts[1])
+        outs.append(session.next_phase())
+    return outs
+
+
+def session_config() -> SessionConfig:
+    return SessionConfig(seed=3, width=CANVAS[0], height=CANVAS[1], hold=HOLD)
+
+
+def run_or_raise(fn):
+    """fn()'s result, or the exception it raised."""
+    try:
+        return fn()
+    except Exception as exc:  # the caller asserts which one it expects
+        return exc
+
+
+@pytest.mark.cpu
+def test_usp2_streaming_session_matches_one_rank():
+    gen = torch.Generator().manual_seed(11)
+    prompts = [PromptUpdate(torch.randn(6, ARGS.text_dim, generator=gen), "e0"),
+               PromptUpdate(torch.randn(9, ARGS.text_dim, generator=gen), "e1"),
+               PromptUpdate(torch.randn(4, ARGS.text_dim, generator=gen), "fallback")]
+    rt = build_tiny(tiny_profile(("cpu",)), torch.device("cpu"))
+    session = rt.open_session(session_config(), prompts[0], prompts[2])
+    ref = drive(session, prompts)
+    ref_kv = (session.kv.live, session.kv.audio_rows, session.kv.video_rows)
+    session.close()
+    assert [o.meta.active_event_id for o in ref[::4]] == ["e0", "e1", "fallback"]
+
+    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
+    try:
+        session = group.open_session(session_config(), prompts[0], prompts[2])
+        assert group.active_session is session
+        outs = drive(session, prompts)
+        for i, (out, r) in enumerate(zip(outs, ref)):
+            assert out.meta == dataclasses.replace(r.meta, timings=out.meta.timings)
+            for name in ("video", "audio"):
+                a, b = getattr(out, name), getattr(r, name)
+                err = (a - b).abs().max() / b.abs().max()
+                assert err < 1e-5, f"phase {i} {name}: relative error {err:.2e}"
+        assert outs[8].meta.timings.hold_s >= HOLD.max_seconds  # the expired hold is reported
+        status = group.rank_status()
+        assert [s.rank for s in status] == [0, 1]
+        for s in status:
+            assert s.session_open and (s.kv_local_heads, s.kv_head_dim) == (ARGS.num_heads // 2, ARGS.head_dim)
+            assert (s.kv_live_rows, s.kv_audio_rows, s.kv_video_rows) == ref_kv
+            assert (s.request_index, s.phase_index) == (2, 1)
+        assert tuple(session.kv.k[0].shape[1:]) == (ARGS.num_heads // 2, ARGS.head_dim)
+        # cancel while a phase may be running: every rank stops at the same agreed check and releases its KV
+        ended: list = []
+        thread = threading.Thread(target=lambda: ended.append(run_or_raise(session.next_phase)))
+        thread.start()
+        time.sleep(0.05)
+        session.cancel()
+        thread.join(30)
+        assert len(ended) == 1 and isinstance(ended[0], (SessionCancelled, PhaseOutput)), ended
+        assert group.active_session is None and session.kv is None
+        assert not any(s.session_open for s in group.rank_status())
+        # the ranks are still in step: a new session opens, runs a phase and closes
+        again = group.open_session(SessionConfig(seed=4, width=CANVAS[0], height=CANVAS[1]), prompts[1])
+        assert again.next_phase().meta.active_event_id == "e1"
+        again.close()
+        assert not any(s.session_open for s in group.rank_status())
+    finally:
+        group.shutdown()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("busy", [True, False], ids=["mid-phase", "idle"])
+def test_killed_rank_fails_the_group_within_bounded_time(busy):
+    failures: list[str] = []
+    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=15, heartbeat_s=2))
+    group.on_failure(failures.append)  # the service flips its health to NOT_SERVING here
+    try:
+        session = group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1]),
+                                     PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+        session.next_phase()
+        raised: list[BaseException] = []
+
+        def drive():
+            try:
+                while True:
+                    session.next_phase()
+            except BaseException as exc:  # the thread reports whatever ended it
+                raised.append(exc)
+
+        thread = threading.Thread(target=drive, daemon=True)
+        if busy:
+            thread.start()
+            time.sleep(0.3)
+        os.kill(group.processes[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        if not busy:  # nobody calls in: the watchdog alone must notice
+            while not group.failed and time.monotonic() - killed < 20:
+                time.sleep(0.05)
+            assert group.failed, "the watchdog did not notice the dead rank"
+            thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "rank 0 hung after rank 1 died"
+        assert time.monotonic() - killed < 20
+        assert len(raised) == 1 and isinstance(raised[0], GroupFailed), raised
+        assert group.failed and len(failures) == 1 and "rank 1" in failures[0]
+        with pytest.raises(GroupFailed):
+            group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1]),
+                               PromptUpdate(torch.randn(5, ARGS.text_dim), "e1"))
+        session.cancel()  # what the gRPC handler does on the way out: releases rank 0's KV without collectives
+        assert session.kv is None and group.active_session is None
+    finally:
+        group.shutdown(timeout_s=2)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.cpu
+def test_rank_devices_map_through_the_parents_visible_list():
+    assert rank_device_env("cuda:1", None) == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "1"})
+    assert rank_device_env("cuda:1", "4,5,6,7") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "5"})
+    assert rank_device_env("cpu", "0") == ("cpu", {})
+    with pytest.raises(ValueError, match="has only 2 devices"):
+        rank_device_env("cuda:3", "0,1")
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        GroupOptions(timeout_s=4, heartbeat_s=2)
+
+
+def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        model = build_random(ARGS, f"cuda:{rank}", torch.bfloat16, seed=0)
+        install_ulysses(model, None, rank, world)
+        video, audio, text, layout = forward_inputs(f"cuda:{rank}")
+        with torch.no_grad():
+            out = model(video, audio, text, layout, FullAttention(layout))
+        torch.save({"video": out[0].cpu(), "audio": out[1].cpu()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multi_gpu
+def test_usp2_nccl_forward_matches_one_gpu(tmp_path):
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    model = build_random(ARGS, "cuda:0", torch.bfloat16, seed=0)
+    video, audio, text, layout = forward_inputs("cuda:0")
+    with torch.no_grad():
+        ref_v, ref_a = (t.cpu() for t in model(video, audio, text, layout, FullAttention(layout)))
+    run_ranks(_nccl_rank, 2, free_port("127.0.0.1"), str(tmp_path))
+    got = torch.load(tmp_path / "rank0.pt")
+    for ref, out in ((ref_v, got["video"]), (ref_a, got["audio"])):
+        err = (out - ref).abs().max() / ref.abs().max()
+        assert err < 2e-2, f"USP2 NCCL vs 1 GPU: relative error {err:.2e}"
