@@ -29,6 +29,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from services.dit.fused import cuda_compiled
+
 log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -51,17 +53,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-_fused_quantize_rows: Callable | None = None
-
-
-def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` for activations: on CUDA compiled into one fused kernel (one read of x, one fp8 write)."""
-    global _fused_quantize_rows
-    if x.device.type != "cuda":
-        return quantize_rows(x)
-    if _fused_quantize_rows is None:
-        _fused_quantize_rows = torch.compile(quantize_rows, dynamic=True, fullgraph=True)
-    return _fused_quantize_rows(x)
+quantize_activation = cuda_compiled(quantize_rows)
+"""`quantize_rows` for activations: on CUDA one fused kernel (one read of x, one fp8 write)."""
 
 
 def scaled_mm_supported(device: torch.device) -> bool:

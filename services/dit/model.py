@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.dit.adaln_cache import AdaLNCacheReport, install_adaln_cache
+from services.dit.fused import gated_residual, norm_modulate, qk_norm_rope, rms_norm, swiglu
 from services.dit.layout import NUM_MODALITIES, PackedLayout
 
 # Parameters the shipped checkpoint keeps in float32 (prefixes of the original key names).
@@ -165,8 +166,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., C]; statistics in float32, result in x's dtype
-        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
-        return y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Rope(nn.Module):
@@ -190,16 +190,6 @@ def rope_inv_freq(n: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [S, H, D]; cos/sin: [S, R] in x's dtype, R <= D rotated channels, the rest pass through
-    r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    x1, x2 = xr.chunk(2, dim=-1)
-    rot = torch.cat([-x2, x1], dim=-1)
-    xr = xr * cos[:, None, :] + rot * sin[:, None, :]
-    return torch.cat([xr, xp], dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -213,9 +203,10 @@ class Attention(nn.Module):
         # x: [S, C] -> qkv: [S, 3, H, D]
         qkv = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_dim))
         q, k, v = qkv.unbind(1)
-        q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = attend(q, k, v)  # [S, H, D]
         return self.out_proj(out.flatten(1))
 
@@ -227,8 +218,7 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(args.ffn_hidden, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
+        return self.fc2(swiglu(self.fc1(x)))
 
 
 class AdaLNProj(nn.Module):
@@ -281,10 +271,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mod: torch.Tensor, attend, rope) -> torch.Tensor:
         # x: [S, C]; mod: [S, 6, C] rows of (shift, scale, gate) x (attention, mlp)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)
-        h = self.norm1(x) * (1.0 + scale1) + shift1
-        x = x + gate1 * self.attn(h, attend, rope)
-        h = self.norm2(x) * (1.0 + scale2) + shift2
-        return x + gate2 * self.mlp(h)
+        h = norm_modulate(x, self.norm1.weight, shift1, scale1, self.norm1.eps)
+        x = gated_residual(x, gate1, self.attn(h, attend, rope))
+        h = norm_modulate(x, self.norm2.weight, shift2, scale2, self.norm2.eps)
+        return gated_residual(x, gate2, self.mlp(h))
 
 
 class TimeEmbedder(nn.Module):

@@ -15,7 +15,7 @@ from services.dit.model import PRESETS, meta_model
 
 pytestmark = pytest.mark.cpu
 
-REF = Path("/work/shared/reference/checkpoints/MiniMax-H3")
+REF = Path(__file__).resolve().parents[3] / "shared/reference/checkpoints/MiniMax-H3"
 REAL = {"original": REF / "FL2VA/transformer", "diffusers": REF / "transformer"}
 TINY = PRESETS["tiny"]
 needs_ref = pytest.mark.skipif(not REF.is_dir(), reason="reference checkpoint JSONs not present")

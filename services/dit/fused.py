@@ -1,0 +1,75 @@
+"""Element-wise pieces of the DiT block, fused into single kernels on CUDA.
+
+Each function is written once in plain torch (the reference, used as is on the CPU and in the parity tests) and,
+for CUDA tensors, compiled by `torch.compile` into one kernel per call site: the profile of a student forward showed
+~40% of GPU time in unfused norm / modulation / RoPE / gating passes. Knows nothing about modules or checkpoints.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def cuda_compiled(eager: Callable) -> Callable:
+    """`eager` on the CPU; on CUDA tensors its torch.compile'd version (compiled on first use, dynamic shapes)."""
+    compiled: Callable | None = None
+
+    def run(*args):
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return eager(*args)
+        if compiled is None:
+            compiled = torch.compile(eager, dynamic=True, fullgraph=True)
+        return compiled(*args)
+
+    run.__name__, run.__doc__ = eager.__name__, eager.__doc__
+    return run
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with float32 statistics, result in x's dtype."""
+    # x: [..., C]
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first R channels of every head; the rest pass through."""
+    # x: [S, H, D]; cos/sin: [S, R] in x's dtype, R <= D
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)
+    xr = xr * cos[:, None, :] + rot * sin[:, None, :]
+    return torch.cat([xr, xp], dim=-1)
+
+
+@cuda_compiled
+def norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """AdaLN input: RMSNorm(x) * (1 + scale) + shift."""
+    # x, shift, scale: [S, C]
+    return rms_norm(x, weight, eps) * (1.0 + scale) + shift
+
+
+@cuda_compiled
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + gate * y."""
+    return x + gate * y
+
+
+@cuda_compiled
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k, then RoPE on both."""
+    # q, k: [S, H, D]; cos/sin: [S, R]
+    return apply_rope(rms_norm(q, q_weight, eps), cos, sin), apply_rope(rms_norm(k, k_weight, eps), cos, sin)
+
+
+@cuda_compiled
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of fc1's [gate | up] output."""
+    # h: [S, 2F] -> [S, F]
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,82 @@
+"""Where a student forward's time goes: `python -m services.dit.profile_forward` (CUDA).
+
+Times one 10-latent phase forward (480×864, 400 text rows, 13,000 history rows) of the full DiT with random
+weights as features are switched on one by one — BF16 base, + LoRA side branch, + FP8 block linears, LoRA
+suspended (the teacher's path) — then profiles the last configuration and prints the kernels that take the
+most GPU time, grouped into matrix products, attention and everything else. Knows nothing about sessions.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from services.dit.bench_forward import Geometry, HistoryAttention, _phase, _time, analytic_flops
+from services.dit.fp8 import quantize_linears
+from services.dit.lora import LoRAAdapter, random_adapter_spec
+from services.dit.model import PRESETS, build_random
+
+log = logging.getLogger("services.dit.profile_forward")
+
+CATEGORIES = (
+    ("attention", re.compile(r"flash|fmha|attention|cudnn|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|sm90|matmul|scaled_mm|cublas|xmma|nvjet", re.I)),
+)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--top", type=int, default=25)
+    opts = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dev, args = torch.device("cuda"), PRESETS["full"]
+    g = Geometry(video_rows=10 * 15 * 27, audio_per_channel=57, text_rows=400, history_rows=13000)
+    model = build_random(args, dev, torch.bfloat16, seed=0)
+    layout, inputs = _phase(args, g, dev, seed=0)
+    attention = HistoryAttention(layout, g.history_rows, args.num_heads, args.head_dim, dev, torch.bfloat16, 0)
+    lin, att = analytic_flops(args, layout, g.history_rows)
+    rows = []
+    with torch.inference_mode():
+        model.cache_adaln(layout.timestep_values)
+        rows.append(("bf16 base", _time(model, layout, inputs, attention, dev, opts.runs, 2)[0]))
+        adapter = LoRAAdapter(model, random_adapter_spec(args, dev, seed=1), torch.bfloat16)
+        rows.append(("bf16 + LoRA", _time(model, layout, inputs, attention, dev, opts.runs, 2)[0]))
+        quantize_linears(model)
+        rows.append(("fp8 + LoRA (student)", _time(model, layout, inputs, attention, dev, opts.runs, 2)[0]))
+        with adapter.suspended():
+            rows.append(("fp8, LoRA suspended (teacher)", _time(model, layout, inputs, attention, dev, opts.runs, 2)[0]))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(*inputs, layout, attention)
+            torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    kernels = []
+    for evt in prof.key_averages():
+        us = evt.self_device_time_total
+        if us <= 0:
+            continue
+        totals[category(evt.key)] = totals.get(category(evt.key), 0.0) + us
+        kernels.append((us, evt.count, evt.key[:90]))
+    print(f"rows {layout.seq_len} (text {layout.text_len}, media {layout.num_media}), history {g.history_rows}; "
+          f"{lin / 1e12:.1f} TFLOP linear + {att / 1e12:.1f} TFLOP attention per forward")
+    for name, ms in rows:
+        print(f"{name:32s} {ms:8.1f} ms  {(lin + att) / (ms * 1e-3) / 1e12:6.0f} TFLOP/s")
+    all_us = sum(totals.values())
+    print("profiled fp8 + LoRA forward, GPU time by category: " + ", ".join(
+        f"{k} {v / 1e3:.1f} ms ({100 * v / all_us:.0f}%)" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))
+    for us, count, name in sorted(kernels, reverse=True)[:opts.top]:
+        print(f"{us / 1e3:8.2f} ms {count:6d}x  [{category(name):9s}] {name}")
+
+
+if __name__ == "__main__":
+    main()
