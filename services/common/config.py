@@ -54,8 +54,6 @@ class EncoderConfig:
     """Compute dtype: float32 or bfloat16."""
     max_tokens: int = 512
     """Longest prompt in tokens; longer prompts are rejected."""
-    cuda_graphs: bool = False
-    """Capture the encoder forward per padded prompt-length bucket at start-up (GPU only)."""
     metrics_port: int = 9101
     """Port of the Prometheus /metrics endpoint (0 disables it)."""
 
@@ -75,14 +73,17 @@ class DiTConfig:
     """Allowed canvas short edges in pixels (both sides must be multiples of 32); others are rejected."""
     fp8: bool = False
     """FP8 per-channel weights and per-token activations on the DiT linears (H100/H200 only)."""
-    cuda_graphs: bool = False
-    """Capture the phase forwards and the audio teacher at start-up (GPU only)."""
     adaln_cache: bool = False
     """Precompute the AdaLN modulations of the fixed runtime timesteps and drop the AdaLN weights."""
     audio_reset_requests: int = 12
     """Drop the audio KV history every this many requests."""
     hold_poll_seconds: float = 0.02
     """How often a held session looks for a newer prompt or a cancel."""
+    max_phases_ahead: int = 2
+    """Flow control: phases a session may generate before the consumer acknowledges the oldest (≥ 1).
+
+    The gateway acks a phase once the VAE returned its chunk, so prompt updates land at the next request
+    boundary after what the client has received instead of wherever the DiT has run ahead to."""
     metrics_port: int = 9102
     """Port of the Prometheus /metrics endpoint (0 disables it)."""
 
@@ -94,6 +95,8 @@ class DiTConfig:
             raise ValueError(f"dit.devices={list(self.devices)}: the USP degree must be 1, 2 or 4")
         if not self.canvas_short_edges:
             raise ValueError("dit.canvas_short_edges is empty: list at least one")
+        if self.max_phases_ahead < 1:
+            raise ValueError(f"dit.max_phases_ahead={self.max_phases_ahead}: must be ≥ 1")
         for edge in self.canvas_short_edges:
             if edge <= 0 or edge % 32:
                 raise ValueError(f"dit.canvas_short_edges entry {edge}: must be a positive multiple of 32")

@@ -5,6 +5,7 @@ function that registers its servicer.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -16,6 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 import prometheus_client
+
+from services.common.config import Profile, load_profile
+from services.common.logging_setup import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +114,21 @@ async def serve(stage: Stage, port: int, metrics_port: int = 0, host: str = "0.0
         await health_servicer.enter_graceful_shutdown()
         await server.stop(SHUTDOWN_GRACE_SECONDS)
         stage.close()
+
+
+def run_stage(name: str, make_stage: Callable[[Profile], Stage]) -> None:
+    """Entry point of a stage: `python -m services.<name> --profile P [--port N] [--device D]`.
+
+    `--device` overrides `<name>.device` (encoder and VAE; the DiT's devices come from the profile only).
+    """
+    parser = argparse.ArgumentParser(description=f"vitascope {name} stage")
+    parser.add_argument("--profile", required=True, help="deployment profile YAML (configs/*.yaml)")
+    parser.add_argument("--port", type=int, help=f"override the profile's {name} port")
+    if name != "dit":
+        parser.add_argument("--device", help=f"override {name}.device")
+    args = parser.parse_args()
+    configure_logging(name)
+    device = getattr(args, "device", None)
+    profile = load_profile(args.profile, {name: {"device": device}} if device else None)
+    port = args.port or profile.endpoints.port_of(name)
+    asyncio.run(serve(make_stage(profile), port, getattr(profile, name).metrics_port))

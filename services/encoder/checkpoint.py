@@ -10,11 +10,10 @@ checkpoint loads into `transformers` unchanged and the encoder's loader is exerc
 tensors it must skip. The `full` preset is therefore ~66.7 GB on disk; benchmarks build it with
 `TextEncoder.random(...)` on the device instead.
 
-Usage: `python -m services.encoder.checkpoint --preset tiny --out DIR [--seed 0]`.
+The whole tree of a preset is written by `python -m services.checkpoints`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -156,17 +155,3 @@ def write_random_checkpoint(preset: str, out_dir: str | Path, seed: int = 0,
     if preset == "tiny":
         write_tiny_tokenizer(root / "tokenizer", args.vocab_size)
     return root
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", required=True, choices=["full", "tiny"])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    ns = parser.parse_args()
-    logging.basicConfig(level=logging.INFO)
-    write_random_checkpoint(ns.preset, ns.out, ns.seed)
-
-
-if __name__ == "__main__":
-    main()

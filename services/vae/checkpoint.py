@@ -4,12 +4,11 @@ Knows nothing about decoding or streaming: it writes seeded random-weight checkp
 (`config.json` + `diffusion_pytorch_model.safetensors`, sharded with an index when large, float32 like the release)
 and loads either directory back through `diffusers`' `from_pretrained`, mapping failures to one named error.
 
-Usage: `python -m services.vae.checkpoint --preset tiny --out DIR [--seed 0]`. Never write `full` on a small host:
+The whole tree of a preset is written by `python -m services.checkpoints`. Never write `full` on a small host:
 the video VAE alone is about 10.4 GB.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
@@ -78,17 +77,3 @@ def load_audio_vae(path: str | Path, device: str | torch.device = "cpu",
                    dtype: torch.dtype = torch.float32) -> AutoencoderKLMiniMaxH3Audio:
     """Load `path/audio_vae` (diffusers keeps its decoder in float32 whatever `dtype` says)."""
     return _load(AutoencoderKLMiniMaxH3Audio, Path(path) / AUDIO_SUBDIR, device, dtype)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", required=True, choices=["full", "tiny"])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    ns = parser.parse_args()
-    logging.basicConfig(level=logging.INFO)
-    write_random_checkpoint(ns.preset, ns.out, ns.seed)
-
-
-if __name__ == "__main__":
-    main()
