@@ -12,10 +12,11 @@ Each clip is decoded independently (full attention inside the clip only), so a d
 Streaming uses the same rule as TaoMate-H3's per-request "transport prefix": every call after the first prepends
 the previous call's last `token_overlap` (2) latents, decodes with diffusers and drops the `frame_overlap` (5)
 frames those latents produce. The first call must hold 2 + 5k latents (request 0 phase 0: 12 -> 39 frames), later
-calls 5k latents (10 -> 34, 5 -> 17). Every frame then equals the whole-clip diffusers decode bit for bit except the
-5 frames just before each call boundary: the whole decode cross-fades them with the next clip's head, which needs
-latents that have not been generated yet, so here they are the earlier clip's own decode (the cut the official
-runtime also makes between requests).
+calls 5k latents (10 -> 34, 5 -> 17). Every frame then equals the whole-clip decode (bit for bit when the decoder runs
+one tile per ViT call; within float reassociation, about 1e-7, when the whole decode batches more clips per call than
+a phase does) except the 5 frames just before each call boundary: the whole decode cross-fades them with the next
+clip's head, which needs latents that have not been generated yet, so here they are the earlier clip's own decode
+(the cut the official runtime also makes between requests).
 
 Audio: the BigVGAN decoder is a stack of non-causal convolutions. Each call decodes
 `[last context_latents of earlier calls | new latents | last new latent repeated pad_latents times]` and returns only

@@ -6,11 +6,20 @@ Knows nothing about streaming state, muxing or gRPC. The networks are the `diffu
 channel decoded as one batch row). This file adds the named presets, the per-channel latent denormalisation
 (`z * std + mean`, from each model's config), the pixel post-processing (ImageNet de-normalisation, clamp, uint8) and
 input validation.
+
+Video decoding does not call `AutoencoderKLMiniMaxH3.decode`, which runs the ViT once per spatial tile per 17-frame
+clip (15 tiles x 2 clips = 30 sequential calls per 480x864 phase). `VideoDecoder` lays out the same clips (7 latents
+every 5) and the same spatial tile grid (`vae._split_tiles` with the model's tile size and overlap, 256 px / 64 px
+minimum in the release), cuts every tile of every clip from the latents, runs them through `post_quant_conv` and the
+ViT as one batch (each batch row is one tile of one clip, so every tile sees exactly the pixels it sees in diffusers),
+then blends tiles and clips with the library's own `_stitch_tiles` / `_blend`, vectorised over clips. The result
+equals the diffusers decode up to GEMM reassociation across batch sizes (see services/vae/bench_decode.py).
 """
 from __future__ import annotations
 
 import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+from diffusers.models.modeling_utils import get_parameter_dtype
 
 VIDEO_LATENT_CHANNELS = 24
 AUDIO_LATENT_CHANNELS = 32
@@ -95,10 +104,14 @@ def build_audio_vae(preset: str) -> AutoencoderKLMiniMaxH3Audio:
 
 
 class VideoDecoder:
-    """Normalised video latents `[F, 24, h, w]` -> RGB frames, one whole-clip diffusers decode per call."""
+    """Normalised video latents `[F, 24, h, w]` -> RGB frames; every tile of every clip in one batched ViT call."""
 
-    def __init__(self, vae: AutoencoderKLMiniMaxH3) -> None:
+    def __init__(self, vae: AutoencoderKLMiniMaxH3, max_batch: int = 64) -> None:
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch (tiles per ViT call) must be a positive int, got {max_batch!r}")
         self.vae = vae.eval()
+        self.max_batch = max_batch
+        """Most (clip, tile) pairs per ViT call; a 480x864 phase (2 clips x 15 tiles) is one call."""
         param = next(vae.parameters())
         self.device = param.device
         stats = dict(device=self.device, dtype=torch.float32)
@@ -139,15 +152,58 @@ class VideoDecoder:
         if not latents.is_floating_point() or not torch.isfinite(latents).all():
             raise InvalidLatents("video latents must be finite floating-point values")
 
+    def tile_grid(self, height: int, width: int) -> tuple[list[int], int, list[int], list[int], int, list[int]]:
+        """Return the pixel tile layout `(ys, tile_h, y_overlaps, xs, tile_w, x_overlaps)` of an `H x W` canvas.
+
+        Same grid as `AutoencoderKLMiniMaxH3._decode_clip`: the model's tile size and minimum overlap when tiling is
+        enabled (every tile then has the same size), one canvas-sized tile otherwise.
+        """
+        vae = self.vae
+        if not vae.use_tiling:
+            return [0], height, [], [0], width, []
+        ys, heights, y_overlaps = vae._split_tiles(
+            height, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height)
+        xs, widths, x_overlaps = vae._split_tiles(width, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width)
+        return ys, heights[0], y_overlaps, xs, widths[0], x_overlaps
+
+    def _decode_clips(self, z: torch.Tensor) -> torch.Tensor:
+        """Decode denormalised latents `z: [C, F, h, w]` (F = 2 + 5k) to model-space video `[3, N, H, W]`."""
+        vae, ratio = self.vae, self.spatial_ratio
+        clip, overlap = vae.tokens_chunk_size, vae.token_overlap
+        num_clips = (z.shape[1] - overlap) // clip
+        # clips: [K, C, 7, h, w], clip k covers latents [5k, 5k + 7) like diffusers' `_decode`.
+        clips = torch.stack([z[:, k * clip:k * clip + clip + overlap] for k in range(num_clips)])
+        ys, tile_h, y_overlaps, xs, tile_w, x_overlaps = self.tile_grid(z.shape[2] * ratio, z.shape[3] * ratio)
+        th, tw = tile_h // ratio, tile_w // ratio
+        # tiles: [K * T, C, 7, th, tw], clip-major; tile (i, j) is row-major over the (ys, xs) grid.
+        tiles = torch.stack([clips[..., y // ratio:y // ratio + th, x // ratio:x // ratio + tw]
+                             for y in ys for x in xs], dim=1).flatten(0, 1)
+        parts = [vae.decoder(vae.post_quant_conv(part)) for part in tiles.split(self.max_batch)]
+        decoded = parts[0] if len(parts) == 1 else torch.cat(parts)
+        decoded = decoded.unflatten(0, (num_clips, len(ys) * len(xs)))  # [K, T, 3, 28, tile_h, tile_w]
+        rows = [[decoded[:, i * len(xs) + j] for j in range(len(xs))] for i in range(len(ys))]
+        video = vae._stitch_tiles(rows, y_overlaps, x_overlaps)  # video: [K, 3, 28, H, W]
+        # Each clip's first 5 latents give 17 frames (after the 3 pre-padding frames), its 2 overlap latents give the
+        # 5 frames that are cross-faded into the next clip's head; the last clip's overlap frames end the video.
+        chunk, pre = clip * self.temporal_ratio, vae.frame_pre_padding
+        heads = video[:, :, pre:chunk]
+        if vae.config.token_drop <= 0:  # no overlap latents: the clips simply follow each other
+            return heads.transpose(0, 1).flatten(1, 2)
+        tails = video[:, :, chunk + pre:]
+        pieces = [heads[0]]  # [3, 17, H, W] each, then the last clip's [3, 5, H, W] overlap frames
+        if num_clips > 1:
+            pieces += vae._blend(tails[:-1], heads[1:], vae.frame_overlap, dim=-3).unbind(0)
+        return torch.cat([*pieces, tails[-1]], dim=1)
+
     @torch.inference_mode()
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode normalised latents `[F, 24, h, w]` to float RGB `[N, H, W, 3]` in [0, 1]."""
         self.validate(latents)
         self.num_frames(latents.shape[0])
-        # z: [1, C, F, h, w], denormalised per channel.
+        # z: [1, C, F, h, w], denormalised per channel, in the dtype of the first decoder module (like diffusers).
         z = latents.to(self.device, torch.float32).permute(1, 0, 2, 3)[None] * self._std + self._mean
-        sample = self.vae.decode(z).sample  # sample: [1, 3, N, H, W]
-        rgb = sample[0].permute(1, 2, 3, 0).float()  # rgb: [N, H, W, 3]
+        sample = self._decode_clips(z[0].to(get_parameter_dtype(self.vae.post_quant_conv)))  # [3, N, H, W]
+        rgb = sample.permute(1, 2, 3, 0).float()  # rgb: [N, H, W, 3]
         return (rgb * self._rgb_std + self._rgb_mean).clamp_(0.0, 1.0)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

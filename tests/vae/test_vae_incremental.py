@@ -1,9 +1,11 @@
 """Phase-by-phase decoding against whole-clip diffusers decodes (tiny preset, CPU).
 
-Video tolerance: exact (0.0) for every frame except the `frame_overlap` = 5 frames before each phase boundary. The
-decoder is clip-local, so the carried 2-latent prefix reproduces every clip of the whole decode bit for bit; the
-5 boundary frames are the one place where the whole decode cross-fades two clips, and the second clip needs the next
-phase's latents, so the streaming output there is the first clip's own decode (checked exactly as well).
+Video tolerance: every frame except the `frame_overlap` = 5 frames before each phase boundary equals the whole decode.
+The decoder is clip-local, so the carried 2-latent prefix reproduces every clip of the whole decode: bit for bit when
+tiles go through the ViT one at a time (`max_batch=1`), within 1e-6 absolute with the default batching (a whole decode
+batches more clips per GEMM than a phase does, which reassociates float sums; about 2.4e-7 measured). The 5 boundary
+frames are the one place where the whole decode cross-fades two clips, and the second clip needs the next phase's
+latents, so the streaming output there is the first clip's own decode (checked exactly as well).
 
 Audio tolerance: 1e-5 absolute outside the last receptive-radius latents of each phase (left context makes those
 samples identical up to float reassociation); inside that window the future latents are unknown and are stood in for
@@ -45,7 +47,9 @@ def _phases(latents: torch.Tensor, counts: list[int], dim: int):
         start += n
 
 
-def test_video_phases_match_whole_decode(video):
+@pytest.mark.parametrize("max_batch, atol", [(64, 1e-6), (1, 0.0)])
+def test_video_phases_match_whole_decode(video, max_batch, atol):
+    video = VideoDecoder(video.vae, max_batch=max_batch)
     z = torch.randn(sum(VIDEO_PHASES), 24, 4, 6, generator=torch.Generator().manual_seed(0))
     whole = video.decode_pixels(z)
     inc = IncrementalVideoDecoder(video)
@@ -60,7 +64,7 @@ def test_video_phases_match_whole_decode(video):
     seam = torch.zeros(whole.shape[0], dtype=torch.bool)
     for b in boundaries:
         seam[b - inc.context_frames:b] = True
-    assert torch.equal(streamed[~seam], whole[~seam])
+    torch.testing.assert_close(streamed[~seam], whole[~seam], rtol=0, atol=atol)
     # The seam frames differ from the cross-faded whole decode (the test can see a wrong context) ...
     assert (streamed[seam] - whole[seam]).abs().max() > 0
     # ... and equal the first clip's standalone decode: phase 0 alone ends with the same 5 frames.
@@ -76,7 +80,7 @@ def test_video_phases_with_spatial_tiling(video):
     assert streamed.shape == whole.shape == (56, 32, 320, 3)
     keep = torch.ones(56, dtype=torch.bool)
     keep[34:39] = False
-    assert torch.equal(streamed[keep], whole[keep])
+    torch.testing.assert_close(streamed[keep], whole[keep], rtol=0, atol=1e-6)
 
 
 def test_video_uint8_and_reset(video):
