@@ -182,10 +182,16 @@ class StreamingSession:
             if self.closed:
                 raise SessionClosed("the session is closed")
             try:
-                return self._phase()
+                out = self._phase()
             except SessionCancelled:
                 self._shutdown()
                 raise
+            if self.cancel_token.cancelled:
+                # Cancelled after the phase's last check (during the commit or the copy out): nobody will ask for
+                # another phase, so release the session now rather than holding the group's slot.
+                self._shutdown()
+                raise SessionCancelled("the session was cancelled while its last phase finished")
+            return out
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

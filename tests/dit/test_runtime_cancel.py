@@ -70,6 +70,21 @@ def test_cancel_mid_phase_releases_kv_and_session(adapter_dir):
     assert other.kv is None and rt.active_session is None
 
 
+def test_cancel_after_the_last_check_still_releases_the_session(adapter_dir):
+    rt = make_runtime(adapter_dir)
+    session = rt.open_session(CONFIG, prompt())
+
+    def cancel_during_commit(n, heads, attention):
+        if not heads:  # the commit forward: past the phase's last cancellation check
+            session.cancel()
+
+    hook_forward(rt.model, cancel_during_commit)
+    with pytest.raises(SessionCancelled):
+        session.next_phase()
+    assert session.kv is None and session.closed and rt.active_session is None
+    rt.open_session(CONFIG, prompt()).close()  # the group's slot is free again
+
+
 def test_fault_mid_commit_leaves_kv_exactly_as_before(adapter_dir):
     ref_rt = make_runtime(adapter_dir)
     ref = ref_rt.open_session(CONFIG, prompt())
