@@ -1,8 +1,14 @@
 """gRPC mapping of the DiT stage: one `Stream` call is one session.
 
-Request stream: start, the first prompt's parts (and a fallback prompt's, for hold), then prompt updates.
-Response stream: `started`, then per phase meta → video parts → audio parts → phase_end. Phases are generated
-in a worker thread; cancelling the call cancels the session, which releases its KV cache.
+Request stream: start, the first prompt's parts (and a fallback prompt's, for hold), then prompt updates and
+phase acks. Response stream: `started`, then per phase meta → video parts → audio parts → phase_end. Phases
+are generated in a worker thread; cancelling the call cancels the session, which releases its KV cache, and
+closing the request stream ends the call after the phase in progress.
+
+Flow control: a phase is generated only while fewer than `dit.max_phases_ahead` phases are unacknowledged
+(`PhaseAck`, sent by the consumer in phase order once it has decoded the phase), so the DiT never runs more
+than that far ahead of the VAE and a prompt update lands at the next request boundary after what the viewer
+has received. The first max_phases_ahead phases need no ack.
 
 Observability: every log line of a call carries `start.session_id` (and the trace id), worker threads
 included. The session's span arrives as `traceparent` call metadata (a new trace is started when the caller
@@ -11,6 +17,7 @@ sent none); each phase gets a child span whose traceparent goes out in `PhaseMet
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -18,6 +25,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common import tracing
+from services.common.config import DiTConfig
 from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
@@ -33,23 +41,87 @@ log = logging.getLogger(__name__)
 AUDIO_SAMPLE_RATE = 32000
 
 
-class PromptReader:
-    """Turns the request stream's prompt parts into whole `PromptUpdate`s."""
+class PhaseCredit:
+    """Counts the phases sent but not yet acknowledged; `acquire()` waits while `max_ahead` are outstanding."""
 
-    def __init__(self, requests: AsyncIterator[dit_pb2.StreamRequest]):
+    def __init__(self, max_ahead: int):
+        if max_ahead < 1:
+            raise ValueError(f"max_phases_ahead={max_ahead}: must be >= 1")
+        self.max_ahead = max_ahead
+        self._unacked: collections.deque[tuple[int, int]] = collections.deque()
+        self._changed = asyncio.Event()
+        self._closed = False
+        self._error: BaseException | None = None
+
+    @property
+    def unacked(self) -> int:
+        return len(self._unacked)
+
+    def sent(self, request_index: int, phase_index: int) -> None:
+        """Record that phase (request_index, phase_index) went out."""
+        self._unacked.append((request_index, phase_index))
+
+    def ack(self, request_index: int, phase_index: int) -> None:
+        """The consumer decoded this phase; acks must come in phase order."""
+        if not self._unacked:
+            raise SequenceMismatch(f"ack for phase {request_index}.{phase_index}, but no phase is unacknowledged")
+        if self._unacked[0] != (request_index, phase_index):
+            oldest = "{}.{}".format(*self._unacked[0])
+            raise SequenceMismatch(f"ack for phase {request_index}.{phase_index}, but the oldest "
+                                   f"unacknowledged phase is {oldest} (acks must come in phase order)")
+        self._unacked.popleft()
+        self._changed.set()
+
+    def close(self, error: BaseException | None = None) -> None:
+        """The request stream ended (with `error` if reading it failed): no more acks will come."""
+        self._closed, self._error = True, error
+        self._changed.set()
+
+    async def acquire(self) -> bool:
+        """Wait until another phase may be generated; False once the request stream has ended.
+
+        Raises the request reader's error if reading the stream failed."""
+        while not self._closed and len(self._unacked) >= self.max_ahead:
+            self._changed.clear()
+            await self._changed.wait()
+        if self._error is not None:
+            raise self._error
+        return not self._closed
+
+
+class RequestReader:
+    """Reads the request stream after `start`: assembles prompt parts into whole `PromptUpdate`s and hands
+    phase acks to the session's `PhaseCredit`."""
+
+    def __init__(self, requests: AsyncIterator[dit_pb2.StreamRequest], credit: PhaseCredit):
         self._requests = requests
+        self._credit = credit
         self._assembler = TensorAssembler("prompt embedding")
 
-    async def next(self) -> tuple[PromptUpdate, int] | None:
-        """The next complete prompt and its role, or None when the client closed its side."""
+    async def next_prompt(self) -> tuple[PromptUpdate, int] | None:
+        """The next complete prompt and its role (acks on the way are applied), or None at the stream's end."""
         async for request in self._requests:
-            if request.WhichOneof("kind") != "prompt":
-                raise SequenceMismatch(f"expected a prompt part, got {request.WhichOneof('kind')}")
-            part = request.prompt
-            embedding = self._assembler.add(part.embedding)
-            if embedding is not None:
-                return PromptUpdate(embedding=embedding.float(), event_id=part.event_id), part.role
+            kind = request.WhichOneof("kind")
+            if kind == "ack":
+                self._credit.ack(request.ack.request_index, request.ack.phase_index)
+            elif kind == "prompt":
+                part = request.prompt
+                embedding = self._assembler.add(part.embedding)
+                if embedding is not None:
+                    return PromptUpdate(embedding=embedding.float(), event_id=part.event_id), part.role
+            else:
+                raise SequenceMismatch(f"expected a prompt part or a phase ack, got {kind}")
         return None
+
+    async def run(self, session: StreamingSession) -> None:
+        """Submit prompt updates and apply acks until the stream ends; then (or on failure) close the credit."""
+        try:
+            while (item := await self.next_prompt()) is not None:
+                session.submit_prompt(item[0])
+        except Exception as exc:  # handed to the generation loop, which turns it into the call's status
+            self._credit.close(exc)
+            return
+        self._credit.close()
 
 
 def phase_messages(out: PhaseOutput, span: tracing.SpanContext) -> list[dit_pb2.StreamResponse]:
@@ -58,9 +130,10 @@ def phase_messages(out: PhaseOutput, span: tracing.SpanContext) -> list[dit_pb2.
     meta = dit_pb2.PhaseMeta(
         request_index=m.request_index, phase_index=m.phase_index, num_frames=m.num_frames,
         num_audio_samples=m.num_audio_samples, audio_sample_rate=AUDIO_SAMPLE_RATE,
-        started_event_ids=list(m.started_event_ids),
+        # The first prompt may carry the empty event id: it names no event, so it is in none of the lists.
+        started_event_ids=[e for e in m.started_event_ids if e],
         active_event_ids=[m.active_event_id] if m.active_event_id else [],
-        completed_event_ids=list(m.completed_event_ids),
+        completed_event_ids=[e for e in m.completed_event_ids if e],
         stage_seconds={"hold": t.hold_s, "teacher": t.teacher_s, "student": t.student_s, "commit": t.commit_s},
         first_of_request=m.phase_index == 0,
         trace=tensor_pb2.TraceContext(traceparent=span.traceparent))
@@ -83,42 +156,30 @@ def observe(out: PhaseOutput, span: tracing.SpanContext) -> None:
     record_gpu_memory()
 
 
-def next_phase_or_release(session: StreamingSession) -> PhaseOutput:
-    """One phase, run in a worker thread; releases the session if it was cancelled while the phase ran.
-
-    `StreamingSession.cancel()` only sets the token while a phase holds the session, and the phase may already
-    be past its last cancellation check. The handler that awaited this thread is gone by then, so nobody would
-    ask for another phase and the group would keep its session (every later open fails with NoCapacity).
-    """
-    out = session.next_phase()
-    if session.cancel_token.cancelled:
-        session.close()
-    return out
-
-
 class DiTServicer(dit_pb2_grpc.DiTServicer):
-    def __init__(self, service: DiTService):
-        self.service = service
+    """`max_phases_ahead`: flow-control window; None takes the service profile's `dit.max_phases_ahead`
+    (the DiTConfig default for a service without a profile)."""
 
-    async def _open(self, start: dit_pb2.SessionStart, requests) -> tuple[StreamingSession, PromptReader]:
-        reader = PromptReader(requests)
-        prompt = await reader.next()
+    def __init__(self, service: DiTService, max_phases_ahead: int | None = None):
+        self.service = service
+        if max_phases_ahead is None:
+            profile = getattr(service, "profile", None)
+            max_phases_ahead = (profile.dit if profile is not None else DiTConfig()).max_phases_ahead
+        self.max_phases_ahead = max_phases_ahead
+
+    async def _open(self, start: dit_pb2.SessionStart, reader: RequestReader) -> StreamingSession:
+        prompt = await reader.next_prompt()
         if prompt is None:
             raise SequenceMismatch("the stream closed before the first prompt arrived")
         fallback = None
         if start.hold.has_fallback_prompt:
-            fallback = await reader.next()
+            fallback = await reader.next_prompt()
             if fallback is None or fallback[1] != dit_pb2.PROMPT_ROLE_FALLBACK:
                 raise SequenceMismatch("hold.has_fallback_prompt is set but no FALLBACK prompt followed")
             fallback = fallback[0]
         config = SessionConfig(seed=start.seed, width=start.width, height=start.height,
                                hold=self.service.hold_config(start.hold.enabled, start.hold.max_seconds))
-        session = await asyncio.to_thread(self.service.open, config, prompt[0], fallback)
-        return session, reader
-
-    async def _forward_updates(self, session: StreamingSession, reader: PromptReader) -> None:
-        while (item := await reader.next()) is not None:
-            session.submit_prompt(item[0])
+        return await asyncio.to_thread(self.service.open, config, prompt[0], fallback)
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         try:
@@ -130,33 +191,35 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
             return
         session_span = tracing.continue_trace(tracing.metadata_traceparent(context.invocation_metadata()))
         with log_context(session_id=first.start.session_id or None, trace_id=session_span.trace_id):
+            credit = PhaseCredit(self.max_phases_ahead)
+            reader = RequestReader(request_iterator, credit)
             try:
-                session, reader = await self._open(first.start, request_iterator)
+                session = await self._open(first.start, reader)
             except Exception as exc:  # the boundary: every failure becomes a status
                 await abort_with(context, exc)
                 return
             ACTIVE_SESSIONS.inc()
             log.info("session started: %dx%d", session.canvas.width, session.canvas.height)
-            updates = asyncio.create_task(self._forward_updates(session, reader))
+            requests = asyncio.create_task(reader.run(session))
             try:
                 yield dit_pb2.StreamResponse(started=dit_pb2.Started(
                     kv_capacity_rows=session.kv.capacity if session.kv is not None else 0))
-                while True:
-                    if updates.done() and updates.exception() is not None:
-                        raise updates.exception()
-                    out = await asyncio.to_thread(next_phase_or_release, session)
+                while await credit.acquire():
+                    out = await asyncio.to_thread(session.next_phase)
                     span = session_span.child()
                     observe(out, span)
+                    credit.sent(out.meta.request_index, out.meta.phase_index)
                     for message in phase_messages(out, span):
                         yield message
+                log.info("session ended: the client closed its request stream")
             except asyncio.CancelledError:
                 log.info("session cancelled by the client")
                 raise
             except Exception as exc:  # the boundary: every failure becomes a status
                 await abort_with(context, exc)
             finally:
-                updates.cancel()
+                requests.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await updates
+                    await requests
                 session.cancel()
                 ACTIVE_SESSIONS.dec()

@@ -32,7 +32,8 @@ def gateway_config(raw: dict) -> GatewayConfig:
 
 async def run(config: GatewayConfig, endpoints: Endpoints) -> None:
     """Serve until SIGTERM / Ctrl-C, then close the sessions and the backend channels."""
-    pipeline = GrpcPipeline(endpoints.encoder, endpoints.dit, endpoints.vae)  # channels bind to this loop
+    pipeline = GrpcPipeline(endpoints.encoder, endpoints.dit, endpoints.vae,  # channels bind to this loop
+                            drain_timeout_s=config.drain_timeout_s)
     runner = web.AppRunner(create_app(config, pipeline))
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()

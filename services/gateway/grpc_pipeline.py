@@ -9,7 +9,12 @@ Per session:
   a meta record, the video and audio latent parts and a phase end;
 - one `VAE.Decode` call receives those latents phase by phase and returns one fMP4 chunk per phase.
 A pump task forwards DiT output to the VAE while `chunks()` reads the VAE, so the DiT works on phase k+1
-while the VAE decodes phase k.
+while the VAE decodes phase k. Flow control: `chunks()` acks each phase to the DiT (`PhaseAck`) once the VAE
+has returned its chunk, and the DiT stays at most `dit.max_phases_ahead` unacked phases ahead.
+
+Stop: `cancel()` cancels the DiT call, lets the pump finish and closes the VAE's request stream; the VAE then
+returns the chunks of the phases it already has and the muxer's closing bytes, which `chunks()` yields as a
+`kind="trailer"` chunk before it ends. A VAE that does not finish within `drain_timeout_s` is cancelled.
 
 Trace context: `start()` opens a new trace per session (services/common/tracing.py). Its root span goes to
 the DiT and VAE calls as `traceparent` metadata, each prompt encode sends a child span in
@@ -70,7 +75,11 @@ def pipeline_error(stage: str, exc: grpc.RpcError) -> PipelineError:
 class GrpcPipeline(Pipeline):
     """Connects to the three stage services; one channel per stage, shared by all sessions."""
 
-    def __init__(self, encoder_addr: str, dit_addr: str, vae_addr: str):
+    def __init__(self, encoder_addr: str, dit_addr: str, vae_addr: str, drain_timeout_s: float = 5.0):
+        if drain_timeout_s <= 0:
+            raise ValueError(f"drain_timeout_s={drain_timeout_s}: must be > 0")
+        self.drain_timeout_s = drain_timeout_s
+        """After cancel(): how long the VAE may take to return its last chunks and the trailer."""
         self._channels = {
             name: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
             for name, addr in (("encoder", encoder_addr), ("dit", dit_addr), ("vae", vae_addr))
@@ -138,6 +147,8 @@ class GrpcSession(PipelineSession):
         self._pump: asyncio.Task | None = None
         self._dit_lock = asyncio.Lock()
         self._cancelled = False
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._last_meta: dit_pb2.PhaseMeta | None = None
 
     async def open(self, parts: list, fallback: list | None) -> None:
         """Send start and prompts to the DiT and wait for its `started` reply; open the VAE stream."""
@@ -153,10 +164,10 @@ class GrpcSession(PipelineSession):
                 await self._write_prompt("", fallback, dit_pb2.PROMPT_ROLE_FALLBACK)
             first = await self._dit_call.read()
         except grpc.RpcError as exc:
-            await self.cancel()
+            self._abort()
             raise pipeline_error("dit", exc) from None
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "started":
-            await self.cancel()
+            self._abort()
             raise PipelineError("dit: stream closed before the session started")
         self._vae_call = self.pipeline.vae.Decode(metadata=tracing.to_metadata(self.trace))
         try:
@@ -164,7 +175,7 @@ class GrpcSession(PipelineSession):
                 session_id=req.request_id, width=req.width, height=req.height, fps=req.fps,
                 sample_rate=AUDIO_SAMPLE_RATE)))
         except grpc.RpcError as exc:
-            await self.cancel()
+            self._abort()
             raise pipeline_error("vae", exc) from None
         self._pump = asyncio.create_task(self._pump_dit_to_vae(), name=f"pump-{req.request_id}")
 
@@ -194,14 +205,20 @@ class GrpcSession(PipelineSession):
                 await self._vae_call.done_writing()
 
     async def chunks(self) -> AsyncIterator[MediaChunk]:
-        """Yield one MediaChunk per phase, in order, until the session ends or is cancelled."""
+        """Yield one MediaChunk per phase, in order, until the session ends; after cancel(), the chunks the VAE
+        still returns and then its trailer (kind="trailer")."""
         data = bytearray()
         try:
             while (reply := await self._vae_call.read()) is not grpc.aio.EOF:
                 data += reply.data
                 if not reply.last:
                     continue
-                meta = self._metas.popleft()
+                if reply.trailer:  # the last message the VAE sends
+                    yield self._trailer(bytes(data))
+                    data = bytearray()
+                    continue
+                meta = self._last_meta = self._metas.popleft()
+                await self._ack(meta)
                 text_seconds = self._text_seconds.popleft() if meta.first_of_request and self._text_seconds else 0.0
                 dit_seconds = sum(meta.stage_seconds.values())
                 self._log_chunk(meta, reply, len(data))
@@ -217,8 +234,8 @@ class GrpcSession(PipelineSession):
                                          mux=reply.mux_seconds))
                 data = bytearray()
         except asyncio.CancelledError:
-            # Our own cancel() of the VAE call surfaces here as CancelledError: end the stream normally,
-            # unless this task itself is being cancelled.
+            # Our own cancel of the VAE call (the drain timed out) surfaces here as CancelledError: end the
+            # stream normally, unless this task itself is being cancelled.
             if self._cancelled and asyncio.current_task().cancelling() == 0:
                 return
             raise
@@ -226,12 +243,41 @@ class GrpcSession(PipelineSession):
             if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
                 return
             raise pipeline_error("vae", exc) from None
+        finally:
+            self._abort_vae()  # whoever stops reading ends the VAE call (a no-op once it has finished)
         if self._pump is not None and self._pump.done() and not self._cancelled:
             exc = self._pump.exception()
             if isinstance(exc, grpc.RpcError):
                 raise pipeline_error("dit", exc)
             if exc is not None:
                 raise PipelineError(f"dit → vae forwarding failed: {exc}")
+
+    def _trailer(self, data: bytes) -> MediaChunk:
+        """The muxer's closing bytes, labelled with the last phase delivered before them."""
+        meta = self._last_meta
+        log.info("trailer received (%d bytes)", len(data))
+        return MediaChunk(data=data, request_index=meta.request_index if meta else 0,
+                          phase_index=meta.phase_index if meta else 0, num_frames=0, num_audio_samples=0,
+                          audio_sample_rate=(meta.audio_sample_rate if meta else 0) or AUDIO_SAMPLE_RATE,
+                          kind="trailer")
+
+    async def _ack(self, meta: dit_pb2.PhaseMeta) -> None:
+        """Tell the DiT this phase is decoded (flow control). A DiT call that already ended is not an error
+        here: the pump reports how the DiT stream ended."""
+        if self._cancelled:
+            return
+        ack = dit_pb2.StreamRequest(ack=dit_pb2.PhaseAck(request_index=meta.request_index,
+                                                        phase_index=meta.phase_index))
+        try:
+            async with self._dit_lock:
+                if not self._cancelled:
+                    await self._dit_call.write(ack)
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            log.debug("ack %d.%d not sent: %s", meta.request_index, meta.phase_index, exc)
+        except asyncio.CancelledError:
+            # Writing to a call cancelled meanwhile raises CancelledError; only our own task's cancel propagates.
+            if asyncio.current_task().cancelling():
+                raise
 
     def _log_chunk(self, meta: dit_pb2.PhaseMeta, reply: vae_pb2.DecodeResponse, byte_length: int) -> None:
         """One line per chunk with the DiT phase's span (or the session's when the DiT sent none)."""
@@ -261,12 +307,42 @@ class GrpcSession(PipelineSession):
             raise pipeline_error("dit", exc) from None
 
     async def cancel(self) -> None:
-        """Cancel both calls; the stages release the session's KV cache and muxer."""
+        """Stop generating and let the VAE finish: cancel the DiT call, wait for the pump to forward what it has
+        and close the VAE's request stream. `chunks()` then yields the chunks the VAE still returns and the
+        muxer's trailer, and ends; the VAE call is cancelled if that takes longer than the drain timeout.
+        A second call cancels the VAE call at once. The stages release the session's KV cache and muxer."""
+        if self._cancelled:
+            self._abort_vae()
+            return
+        self._cancelled = True
+        if self._dit_call is not None:
+            self._dit_call.cancel()
+        timeout = self.pipeline.drain_timeout_s
+        if self._pump is None:  # never started streaming: nothing to drain
+            self._abort_vae()
+            return
+        self._drain_timer = asyncio.get_running_loop().call_later(timeout, self._drain_timed_out)
+        done, _ = await asyncio.wait({self._pump}, timeout=timeout)
+        if not done:  # stuck writing to the VAE
+            self._pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.RpcError, asyncio.InvalidStateError):
+            await self._pump
+
+    def _drain_timed_out(self) -> None:
+        if self._vae_call is not None and not self._vae_call.done():
+            log.warning("session %s: the VAE did not finish within %.1f s of cancel; cancelling it",
+                        self.request.request_id, self.pipeline.drain_timeout_s)
+            self._vae_call.cancel()
+
+    def _abort_vae(self) -> None:
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        if self._vae_call is not None:
+            self._vae_call.cancel()  # a no-op on a finished call
+
+    def _abort(self) -> None:
+        """Cancel both calls at once (a session that failed to open)."""
         self._cancelled = True
         for call in (self._dit_call, self._vae_call):
             if call is not None:
                 call.cancel()
-        if self._pump is not None:
-            self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
-                await self._pump

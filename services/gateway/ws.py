@@ -155,8 +155,11 @@ class _Connection:
                 outcome = run.result()
                 code = WSCloseCode.OK if outcome in (Outcome.COMPLETED, Outcome.STOPPED) else (
                     WSCloseCode.INTERNAL_ERROR)
+                # Stop the reader first: a close() that finds a receive() pending breaks it and drops
+                # the connection at once, and clients then see 1006 instead of the closing handshake.
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
                 await self._ws.close(code=code)
-                await reader
             else:
                 logger.info("session %s: client disconnected", session.request_id)
         finally:

@@ -1,5 +1,9 @@
 """gRPC mapping of the VAE stage: one `Decode` call is one stream; each phase_end yields one fMP4 chunk.
 
+When the client closes its request stream, the muxer is closed and its closing bytes go out as a last chunk
+with `trailer` set (the AAC encoder's held-back audio); a phase whose phase_end never came is dropped.
+Cancelling the call drops everything.
+
 Observability: every log line of a call carries `start.session_id` and the session's trace id (from the
 `traceparent` call metadata, or a new trace when absent); each chunk's line also carries the DiT phase's
 span from `PhaseEnd.trace` with its decode and mux seconds.
@@ -22,13 +26,14 @@ from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def chunk_messages(index: int, chunk: Chunk) -> list[vae_pb2.DecodeResponse]:
-    """One chunk's bytes as responses of at most 1 MiB; `last` marks the final one."""
+def chunk_messages(index: int, chunk: Chunk, *, trailer: bool = False) -> list[vae_pb2.DecodeResponse]:
+    """One chunk's bytes as responses of at most 1 MiB; `last` marks the final one, `trailer` the muxer's
+    closing bytes."""
     pieces = [chunk.data[i:i + MAX_PART_BYTES] for i in range(0, len(chunk.data), MAX_PART_BYTES)] or [b""]
     return [vae_pb2.DecodeResponse(
         data=piece, last=i == len(pieces) - 1, chunk_index=index, num_frames=chunk.num_frames,
         num_audio_samples=chunk.num_audio_samples, video_decode_seconds=chunk.video_decode_seconds,
-        audio_decode_seconds=chunk.audio_decode_seconds, mux_seconds=chunk.mux_seconds)
+        audio_decode_seconds=chunk.audio_decode_seconds, mux_seconds=chunk.mux_seconds, trailer=trailer)
         for i, piece in enumerate(pieces)]
 
 
@@ -67,6 +72,13 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                         index, video, audio = index + 1, None, None
                     else:
                         raise SequenceMismatch(f"unexpected {kind} after start")
+                if video is not None or audio is not None:
+                    log.info("request stream closed inside phase %d: its partial latents are dropped", index)
+                tail = await asyncio.to_thread(session.close)
+                log.info("decode session closed after %d chunks (trailer %d bytes)", index, len(tail.data))
+                if tail.data:
+                    for message in chunk_messages(index, tail, trailer=True):
+                        yield message
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the boundary: every failure becomes a status

@@ -74,6 +74,13 @@ class DecodeSession:
         return Chunk(data=data, num_frames=frames.shape[0], num_audio_samples=samples.shape[1],
                      video_decode_seconds=t1 - t0, audio_decode_seconds=t2 - t1, mux_seconds=t3 - t2)
 
+    def close(self) -> Chunk:
+        """Close the muxer: its last fragment holds the audio the AAC encoder still held (b'' when none)."""
+        t0 = time.perf_counter()
+        data = self.mux.close()
+        return Chunk(data=data, num_frames=0, num_audio_samples=0, video_decode_seconds=0.0,
+                     audio_decode_seconds=0.0, mux_seconds=time.perf_counter() - t0)
+
 
 class VAEService:
     """Owns the shared video and audio decoders of one process."""

@@ -51,15 +51,25 @@ class PromptPart(_message.Message):
     embedding: _tensor_pb2.TensorPart
     def __init__(self, event_id: _Optional[str] = ..., role: _Optional[_Union[PromptRole, str]] = ..., embedding: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ...) -> None: ...
 
+class PhaseAck(_message.Message):
+    __slots__ = ("request_index", "phase_index")
+    REQUEST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PHASE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_index: int
+    phase_index: int
+    def __init__(self, request_index: _Optional[int] = ..., phase_index: _Optional[int] = ...) -> None: ...
+
 class StreamRequest(_message.Message):
-    __slots__ = ("start", "prompt", "release")
+    __slots__ = ("start", "prompt", "release", "ack")
     START_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     start: SessionStart
     prompt: PromptPart
     release: _tensor_pb2.Release
-    def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., prompt: _Optional[_Union[PromptPart, _Mapping]] = ..., release: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ...) -> None: ...
+    ack: PhaseAck
+    def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., prompt: _Optional[_Union[PromptPart, _Mapping]] = ..., release: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., ack: _Optional[_Union[PhaseAck, _Mapping]] = ...) -> None: ...
 
 class PhaseMeta(_message.Message):
     __slots__ = ("request_index", "phase_index", "num_frames", "num_audio_samples", "audio_sample_rate", "started_event_ids", "active_event_ids", "completed_event_ids", "stage_seconds", "first_of_request", "trace")

@@ -45,8 +45,8 @@ class DiTServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Stream(self, request_iterator, context):
-        """Client sends start, then the first prompt, then prompt updates; closing the request
-        stream or cancelling the call ends the session and releases its KV cache.
+        """Client sends start, then the first prompt, then prompt updates and phase acks; closing the
+        request stream or cancelling the call ends the session and releases its KV cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -45,7 +45,8 @@ class VAEServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Closing the request stream flushes the muxer (trailer chunk) and ends the call; cancelling drops it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
