@@ -183,14 +183,12 @@ class StreamingSession:
                 raise SessionClosed("the session is closed")
             try:
                 out = self._phase()
+                # A cancel that came after the phase's last check (during the commit or the copy out): nobody will
+                # ask for another phase, so release the session now. Under USP this check is agreed by all ranks.
+                self._check()
             except SessionCancelled:
                 self._shutdown()
                 raise
-            if self.cancel_token.cancelled:
-                # Cancelled after the phase's last check (during the commit or the copy out): nobody will ask for
-                # another phase, so release the session now rather than holding the group's slot.
-                self._shutdown()
-                raise SessionCancelled("the session was cancelled while its last phase finished")
             return out
 
     def _sync(self) -> None:
