@@ -11,6 +11,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,9 +70,27 @@ def _wait_healthy(name: str, profile: Profile, proc: subprocess.Popen, deadline:
     raise RuntimeError(f"{name} did not become healthy within {START_TIMEOUT_SECONDS:.0f} s")
 
 
+def check_ports_free(profile: Profile) -> None:
+    """Fail before starting anything if a port of the profile is taken (e.g. another vitascope is running)."""
+    ports = [("encoder", profile.endpoints.port_of("encoder")), ("dit", profile.endpoints.port_of("dit")),
+             ("vae", profile.endpoints.port_of("vae")), ("gateway", int(profile.gateway.get("port", 8000)))]
+    ports += [(f"{name} metrics", getattr(profile, name).metrics_port) for name in STAGES]
+    for name, port in ports:
+        if not port:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                raise RuntimeError(f"port {port} ({name}) is already in use: is another vitascope running? "
+                                   f"Stop it or change the ports in {profile.path}") from None
+
+
 def bring_up(profile_path: pathlib.Path) -> list[subprocess.Popen]:
     """Start every service of the profile and wait for health; returns the child processes."""
     profile = load_profile(profile_path)
+    check_ports_free(profile)
     if profile.model.write_if_missing and not (pathlib.Path(profile.model.dir) / "COMPLETE").exists():
         log.info("writing the %s checkpoint to %s (first start)", profile.model.preset, profile.model.dir)
         subprocess.run(_python(checkpoint_command(profile)), check=True)
@@ -109,7 +128,11 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     profile = load_profile(args.profile)
-    procs = bring_up(pathlib.Path(args.profile))
+    try:
+        procs = bring_up(pathlib.Path(args.profile))
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
     print(f"vitascope is up: open {_gateway_url(profile)}/  (Ctrl-C stops it)", flush=True)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
