@@ -122,7 +122,7 @@ def _worker_main(spec: RankSpec, profile: Profile, builder: Builder) -> None:
     runtime = builder(profile, device)
     comm = RankGroup.init(spec.rank, spec.world_size, device, spec.init_method, spec.timeout_s)
     try:
-        install_ulysses(runtime.model, None, spec.rank, spec.world_size)
+        runtime.teacher.placement = install_ulysses(runtime.model, None, spec.rank, spec.world_size).local
         comm.verify_replicas(runtime.model)
         worker_loop(comm, runtime)
     finally:
@@ -167,7 +167,7 @@ def launch_group(profile: Profile, builder: Builder, options: GroupOptions | Non
         runtime = builder(profile, device)
         _check_alive(processes)  # a worker that failed to build is gone by now: do not wait out the init timeout
         comm = RankGroup.init(0, n, device, init_method, options.timeout_s)
-        install_ulysses(runtime.model, None, 0, n)
+        runtime.teacher.placement = install_ulysses(runtime.model, None, 0, n).local
         comm.verify_replicas(runtime.model)
         _check_alive(processes)
     except BaseException:

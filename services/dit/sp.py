@@ -12,6 +12,7 @@ how the ranks were started.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -93,12 +94,31 @@ class UlyssesAttend:
 
 @dataclass
 class UlyssesHandle:
-    """What `install_ulysses` changed; `remove()` restores the single-device model."""
+    """What `install_ulysses` changed; `local()` runs forwards unsharded, `remove()` restores the single-device model."""
 
     model: DiT
     hooks: list
     world_size: int
     rank: int
+    shard: UlyssesShard
+    local_depth: int = 0
+    """> 0 inside `local()`: the attention is not wrapped and the sequence is not split."""
+
+    @contextmanager
+    def local(self):
+        """Run forwards inside the block on this rank alone, all heads and all rows, with no collective.
+
+        For short documents (the audio teacher's ~900 rows) the all-to-alls cost more than the work they split;
+        every rank holds the same weights and inputs, so each computes the same result by itself.
+        """
+        self.local_depth += 1
+        self.model.sequence_shard = NoShard()
+        try:
+            yield
+        finally:
+            self.local_depth -= 1
+            if self.local_depth == 0:
+                self.model.sequence_shard = self.shard
 
     def remove(self) -> None:
         """Uninstall: drop the hooks and restore the identity shard."""
@@ -115,16 +135,20 @@ def install_ulysses(model: DiT, group: ProcessGroup | None, rank: int, world_siz
         raise ValueError(f"Ulysses degree {world_size} must be >= 1 and divide num_heads={heads}")
     if not isinstance(model.sequence_shard, NoShard):
         raise ValueError("a sequence shard is already installed on this DiT; remove it first")
-    model.sequence_shard = UlyssesShard(group, rank, world_size)
+    shard = UlyssesShard(group, rank, world_size)
+    model.sequence_shard = shard
+    handle = UlyssesHandle(model, [], world_size, rank, shard)
 
     def wrap_attend(module: Block, args: tuple, kwargs: dict):
         # Block.forward(x, mod, attend, rope): swap attend for its Ulysses wrapper
+        if handle.local_depth:
+            return None
         if "attend" in kwargs:
             kwargs = {**kwargs, "attend": UlyssesAttend(kwargs["attend"], group, world_size)}
         else:
             args = (*args[:2], UlyssesAttend(args[2], group, world_size), *args[3:])
         return args, kwargs
 
-    hooks = [block.register_forward_pre_hook(wrap_attend, with_kwargs=True) for block in model.blocks]
+    handle.hooks = [block.register_forward_pre_hook(wrap_attend, with_kwargs=True) for block in model.blocks]
     log.info("Ulysses installed: rank %d of %d, %d heads per rank", rank, world_size, heads // world_size)
-    return UlyssesHandle(model, hooks, world_size, rank)
+    return handle

@@ -10,6 +10,7 @@ the teacher's clean latent. Knows nothing about video, the KV cache or sessions.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 
@@ -27,6 +28,8 @@ class AudioTeacher:
 
     def __init__(self, model: DiT, adapter: LoRAAdapter | None):
         self.model, self.adapter = model, adapter
+        self.placement: Callable[[], ContextManager] = nullcontext
+        """Where the teacher's forwards run; sequence parallelism sets it (from outside) to run them unsharded."""
 
     def run(self, text: torch.Tensor, request: RequestPlan, timeline: Timeline, noise: torch.Tensor,
             tail: torch.Tensor | None, cancel: CancelToken) -> list[torch.Tensor]:
@@ -41,7 +44,7 @@ class AudioTeacher:
         tail_rows = None if tail is None else tail.float().to(dev)
         states: list[torch.Tensor] = []
         context = self.adapter.suspended() if self.adapter is not None else nullcontext()
-        with context, torch.no_grad():
+        with context, self.placement(), torch.no_grad():
             for i in range(len(TEACHER_SIGMAS) - 1):
                 cancel.check()
                 sigma, sigma_next = TEACHER_SIGMAS[i], TEACHER_SIGMAS[i + 1]
