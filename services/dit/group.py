@@ -140,7 +140,7 @@ def distributed_op(fn):
         except GroupFailed:
             raise
         except (RuntimeError, OSError) as exc:  # gloo / NCCL errors, timeouts, closed connections
-            self.fail(f"{fn.__name__} on rank {self.rank}: {exc}")
+            self.fail(f"{self.diagnose()}{fn.__name__} on rank {self.rank}: {exc}")
             raise GroupFailed(f"the DiT group is down: {self.failure}") from exc
 
     wrapper.distributed_op = True
@@ -159,6 +159,8 @@ class RankGroup:
         self.lock = threading.RLock()
         """Rank 0: held for every record and the step it announces, so collectives never interleave."""
         self._callbacks: list[Callable[[str], None]] = []
+        self.diagnose: Callable[[], str] = lambda: ""
+        """Rank 0: names the worker ranks that died, as a prefix of a failed collective's reason."""
 
     @classmethod
     def init(cls, rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float
@@ -467,6 +469,7 @@ class DiTGroup:
             raise ValueError(f"runtime ulysses_degree={runtime.config.ulysses_degree} but the group has "
                              f"{comm.world_size} ranks")
         self.runtime, self.comm, self.processes = runtime, comm, processes
+        comm.diagnose = self._dead_ranks
         self.step_timeout_s, self.heartbeat_s = step_timeout_s, heartbeat_s
         self._session: GroupSession | None = None
         self._step_started: float | None = None
@@ -551,6 +554,11 @@ class DiTGroup:
             self._step_started = None
 
     # -- supervision --
+    def _dead_ranks(self) -> str:
+        """'rank 1 (pid N) exited with code C; ' for every worker process that is gone."""
+        return "".join(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                       for rank, proc in enumerate(self.processes, start=1) if not proc.is_alive())
+
     def _check_processes(self, grace_s: float = 0.0) -> None:
         """Fail the group if a worker process has exited (waiting up to `grace_s` for one to be reaped)."""
         deadline = time.monotonic() + grace_s
