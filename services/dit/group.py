@@ -345,6 +345,8 @@ class GroupSession:
         self._pending_lock = threading.Lock()
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
+        self._ended = False
+        """True once the workers' sessions are gone (told to end, or cancelled at an agreed check)."""
 
     # -- read-only views of the local (rank 0) session --
     @property
@@ -400,8 +402,9 @@ class GroupSession:
     def _end(self, record: ControlRecord, end_local: Callable[[], None]) -> None:
         """Announce the end to the workers (unless the group is down), then always release rank 0's KV."""
         with self._comm.lock:
-            if self.local.closed:
+            if self._ended:  # rank 0's own session may have ended alone (a late cancel): the workers' state decides
                 return
+            self._ended = True
             try:
                 if self._comm.failure is None:
                     self._comm.send_control(record)
@@ -411,8 +414,20 @@ class GroupSession:
     # -- generation --
     def next_phase(self) -> PhaseOutput:
         """Generate the next phase on every rank; raises SessionCancelled, SessionClosed or GroupFailed."""
+        try:
+            out, held = self._step()
+        finally:
+            # A cancel() that found the step lock held after the check in _step released nothing: do it now.
+            if self.local.cancel_token.cancelled and not self._ended:
+                self.cancel()
+        if held:
+            timings = dataclasses.replace(out.meta.timings, hold_s=held, total_s=out.meta.timings.total_s + held)
+            out = dataclasses.replace(out, meta=dataclasses.replace(out.meta, timings=timings))
+        return out
+
+    def _step(self) -> tuple[PhaseOutput, float]:
         with self._step_lock:
-            if self.local.closed:
+            if self.local.closed or self._ended:
                 raise SessionClosed("the session is closed")
             held, use_fallback = self._hold()
             with self._comm.lock:
@@ -421,13 +436,14 @@ class GroupSession:
                 self._comm.send_control(NextPhase(use_fallback))
                 if use_fallback:
                     self.local.submit_prompt(self._fallback)
-                out = self._group.run_step(self.local.next_phase)
+                try:
+                    out = self._group.run_step(self.local.next_phase)
+                except SessionCancelled:  # agreed at a check: every rank has released its session
+                    self._ended = True
+                    raise
                 if self.local.cancel_token.cancelled:  # cancelled after the phase's last check
                     self._cancel_now()
-        if held:
-            timings = dataclasses.replace(out.meta.timings, hold_s=held, total_s=out.meta.timings.total_s + held)
-            out = dataclasses.replace(out, meta=dataclasses.replace(out.meta, timings=timings))
-        return out
+        return out, held
 
     def _flush_prompts(self) -> None:
         with self._pending_lock:

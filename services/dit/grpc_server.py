@@ -156,6 +156,12 @@ def observe(out: PhaseOutput, span: tracing.SpanContext) -> None:
     record_gpu_memory()
 
 
+def _cancel_opened(opening: asyncio.Future) -> None:
+    """Done-callback of an open whose call was cancelled: cancel the session it opened (frees the slot)."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().cancel()
+
+
 class DiTServicer(dit_pb2_grpc.DiTServicer):
     """`max_phases_ahead`: flow-control window; None takes the service profile's `dit.max_phases_ahead`
     (the DiTConfig default for a service without a profile)."""
@@ -179,7 +185,12 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
             fallback = fallback[0]
         config = SessionConfig(seed=start.seed, width=start.width, height=start.height,
                                hold=self.service.hold_config(start.hold.enabled, start.hold.max_seconds))
-        return await asyncio.to_thread(self.service.open, config, prompt[0], fallback)
+        opening = asyncio.ensure_future(asyncio.to_thread(self.service.open, config, prompt[0], fallback))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the caller left while the open ran on: give back what it opens
+            opening.add_done_callback(_cancel_opened)
+            raise
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         try:

@@ -178,18 +178,23 @@ class StreamingSession:
     # ---- generation --------------------------------------------------------------------------------------
     def next_phase(self) -> PhaseOutput:
         """Generate the next phase; raises SessionCancelled (KV released) or SessionClosed."""
-        with self._phase_lock:
-            if self.closed:
-                raise SessionClosed("the session is closed")
-            try:
-                out = self._phase()
-                # A cancel that came after the phase's last check (during the commit or the copy out): nobody will
-                # ask for another phase, so release the session now. Under USP this check is agreed by all ranks.
-                self._check()
-            except SessionCancelled:
-                self._shutdown()
-                raise
-            return out
+        try:
+            with self._phase_lock:
+                if self.closed:
+                    raise SessionClosed("the session is closed")
+                try:
+                    out = self._phase()
+                    # A cancel that came after the phase's last check (during the commit or the copy out): nobody
+                    # will ask for another phase, so release the session now. Under USP all ranks agree on it.
+                    self._check()
+                except SessionCancelled:
+                    self._shutdown()
+                    raise
+                return out
+        finally:
+            # A cancel() that found the lock held after the check above released nothing: release it now.
+            if self.cancel_token.cancelled and not self.closed:
+                self.cancel()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

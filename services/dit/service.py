@@ -43,6 +43,8 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     cfg, model_cfg = profile.dit, profile.model
     args = PRESETS[model_cfg.preset]
     dtype = getattr(torch, cfg.dtype)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # streams, compiled kernels and graph pools follow the current device
     root = pathlib.Path(model_cfg.dir)
     if model_cfg.random_weights_on_device:
         model = build_random(args, device, dtype, seed=0)
