@@ -122,16 +122,25 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
+def _interrupt(*_args: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="configs/tiny_cpu.yaml")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     profile = load_profile(args.profile)
+    # SIGTERM during start-up acts like Ctrl-C: bring_up() stops the children it already started.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         procs = bring_up(pathlib.Path(args.profile))
     except RuntimeError as exc:
         log.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        log.info("interrupted during start-up; the started services were stopped")
         return 1
     print(f"vitascope is up: open {_gateway_url(profile)}/  (Ctrl-C stops it)", flush=True)
     stopping = []

@@ -5,11 +5,15 @@ reassembled on the other side. Knows nothing about gRPC calls or which service i
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vitascope.common.v1 import tensor_pb2 as pb
 
 MAX_PART_BYTES = 1 << 20
+MAX_TENSOR_BYTES = 1 << 30
+"""Largest tensor accepted from a stream (a phase's latents are a few MB; a prompt embedding at most ~5 MB)."""
 
 _TO_PROTO = {
     torch.float32: pb.FLOAT32,
@@ -58,6 +62,14 @@ class TensorAssembler:
                 f"{self.name}: part {chunk.index} of {chunk.count} arrived after {len(self._chunks)} parts")
         if self._meta is not None and (self._meta.dtype, list(self._meta.shape)) != (part.meta.dtype, list(part.meta.shape)):
             raise TransportError(f"{self.name}: parts of one tensor disagree on dtype or shape")
+        if chunk.index == 0:
+            expected = _nbytes(part.meta, self.name)
+            if expected > MAX_TENSOR_BYTES:
+                raise TransportError(f"{self.name}: {expected} bytes announced, more than the {MAX_TENSOR_BYTES} "
+                                     "accepted")
+            if chunk.count != max(1, -(-expected // MAX_PART_BYTES)):
+                raise TransportError(f"{self.name}: {chunk.count} parts announced for {expected} bytes "
+                                     f"(parts hold {MAX_PART_BYTES} bytes)")
         self._meta = part.meta
         self._chunks.append(chunk.data)
         if chunk.index + 1 < chunk.count:
@@ -67,18 +79,21 @@ class TensorAssembler:
         return bytes_to_tensor(meta, raw, self.name)
 
 
-def bytes_to_tensor(meta: pb.TensorMeta, raw: bytes, name: str) -> torch.Tensor:
-    """Rebuild a tensor from its meta and its raw bytes, checking the byte count."""
+def _nbytes(meta: pb.TensorMeta, name: str) -> int:
+    """Bytes of the tensor a meta describes; unknown dtypes and negative dimensions are errors."""
     if meta.dtype not in _FROM_PROTO:
         raise TransportError(f"{name}: unknown dtype {meta.dtype}")
-    dtype = _FROM_PROTO[meta.dtype]
     shape = [int(s) for s in meta.shape]
     if any(s < 0 for s in shape):
         raise TransportError(f"{name}: negative dimension in shape {shape}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    expected = numel * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * torch.empty((), dtype=_FROM_PROTO[meta.dtype]).element_size()
+
+
+def bytes_to_tensor(meta: pb.TensorMeta, raw: bytes, name: str) -> torch.Tensor:
+    """Rebuild a tensor from its meta and its raw bytes, checking the byte count."""
+    expected = _nbytes(meta, name)
+    dtype, shape = _FROM_PROTO[meta.dtype], [int(s) for s in meta.shape]
+    numel = math.prod(shape)
     if len(raw) != expected:
         raise TransportError(f"{name}: {len(raw)} bytes for shape {shape} {dtype}, expected {expected}")
     if numel == 0:

@@ -153,9 +153,19 @@ class GrpcSession(PipelineSession):
     async def open(self, parts: list, fallback: list | None) -> None:
         """Send start and prompts to the DiT and wait for its `started` reply; open the VAE stream."""
         req = self.request
+        self._dit_call = self.pipeline.dit.Stream(metadata=tracing.to_metadata(self.trace))
+        try:
+            await self._open_calls(parts, fallback)
+        except BaseException:  # an error or a cancel (client gone, start timeout): end both calls now
+            self._abort()
+            raise
+        self._pump = asyncio.create_task(self._pump_dit_to_vae(), name=f"pump-{req.request_id}")
+
+    async def _open_calls(self, parts: list, fallback: list | None) -> None:
+        """The DiT handshake, then the VAE start (the caller cancels both calls if this fails)."""
+        req = self.request
         hold = dit_pb2.Hold(enabled=req.hold.enabled, max_seconds=req.hold.max_seconds,
                             has_fallback_prompt=fallback is not None)
-        self._dit_call = self.pipeline.dit.Stream(metadata=tracing.to_metadata(self.trace))
         try:
             await self._dit_call.write(dit_pb2.StreamRequest(start=dit_pb2.SessionStart(
                 session_id=req.request_id, seed=req.seed, width=req.width, height=req.height, hold=hold)))
@@ -164,10 +174,8 @@ class GrpcSession(PipelineSession):
                 await self._write_prompt("", fallback, dit_pb2.PROMPT_ROLE_FALLBACK)
             first = await self._dit_call.read()
         except grpc.RpcError as exc:
-            self._abort()
             raise pipeline_error("dit", exc) from None
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "started":
-            self._abort()
             raise PipelineError("dit: stream closed before the session started")
         self._vae_call = self.pipeline.vae.Decode(metadata=tracing.to_metadata(self.trace))
         try:
@@ -175,9 +183,7 @@ class GrpcSession(PipelineSession):
                 session_id=req.request_id, width=req.width, height=req.height, fps=req.fps,
                 sample_rate=AUDIO_SAMPLE_RATE)))
         except grpc.RpcError as exc:
-            self._abort()
             raise pipeline_error("vae", exc) from None
-        self._pump = asyncio.create_task(self._pump_dit_to_vae(), name=f"pump-{req.request_id}")
 
     async def _write_prompt(self, event_id: str, parts: list, role: int) -> None:
         async with self._dit_lock:
@@ -305,6 +311,8 @@ class GrpcSession(PipelineSession):
             await self._write_prompt(event_id, parts, dit_pb2.PROMPT_ROLE_ACTIVE)
         except grpc.RpcError as exc:
             raise pipeline_error("dit", exc) from None
+        except asyncio.InvalidStateError:  # grpc.aio: writing to a call that has finished or half-closed
+            raise PipelineError("dit: the session's stream has already ended") from None
 
     async def cancel(self) -> None:
         """Stop generating and let the VAE finish: cancel the DiT call, wait for the pump to forward what it has

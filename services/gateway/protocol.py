@@ -197,7 +197,7 @@ def parse_client_text(text: str, limits: MessageLimits) -> ClientMessage:
         )
     try:
         body = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, or an over-long integer
         raise ProtocolError(ErrorCode.INVALID_JSON, f"text frame is not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise ProtocolError(
@@ -235,7 +235,7 @@ def _field(body: Mapping[str, Any], key: str, kind: type, where: str, *, require
     value = body[key]
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
     if not ok:
         raise ProtocolError(
             ErrorCode.INVALID_TYPE,
@@ -244,12 +244,32 @@ def _field(body: Mapping[str, Any], key: str, kind: type, where: str, *, require
     return value
 
 
+def _finite(value: int | float) -> bool:
+    """True for a number a float can hold (JSON integers can be arbitrarily large)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _type_name(kind: type) -> str:
-    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+    return {str: "a string", int: "an integer", float: "a finite number", bool: "a boolean",
             dict: "an object"}.get(kind, kind.__name__)
 
 
+def _check_unicode(text: str, where: str) -> str:
+    """Reject lone surrogates (JSON `\\ud800` escapes): no stage can encode them as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(
+            ErrorCode.INVALID_VALUE, f"{where} is not valid Unicode (lone surrogate at index {exc.start})"
+        ) from None
+    return text
+
+
 def _check_prompt(prompt: str, where: str, limits: MessageLimits) -> str:
+    _check_unicode(prompt, where)
     if not prompt.strip():
         raise ProtocolError(ErrorCode.EMPTY_PROMPT, f"{where} is empty")
     if len(prompt) > limits.max_prompt_chars:
@@ -347,6 +367,8 @@ def _parse_interaction(body: dict[str, Any], limits: MessageLimits) -> SessionIn
             ErrorCode.INVALID_VALUE,
             f"{where}.event_id must have 1..{MAX_EVENT_ID_CHARS} characters, got {len(event_id)}",
         )
+    if event_id is not None:
+        _check_unicode(event_id, f"{where}.event_id")
     try:
         transition = _field(interaction, "transition_chunks", int, where)
         if transition is not None and transition < 0:

@@ -409,7 +409,14 @@ class Session:
             started_event_ids=chunk.started_event_ids, active_event_ids=chunk.active_event_ids,
             completed_event_ids=chunk.completed_event_ids, timings=chunk.timings.as_dict(),
         )
-        await self._sink.send_media(metadata, chunk.data)
+        try:
+            # A client that stopped reading blocks the send forever (TCP backpressure): bound it by the stall
+            # timeout so such a client cannot keep the slot.
+            await asyncio.wait_for(self._sink.send_media(metadata, chunk.data), self._cfg.stall_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("session %s: the client read nothing for %g s; dropping it", self.request_id,
+                           self._cfg.stall_timeout_s)
+            raise ClientGone("the client stopped reading") from None
         self._chunks_sent += 1
         if chunk.kind == "media":
             self._media_chunks += 1
@@ -424,6 +431,12 @@ class Session:
             except PipelineError as exc:
                 logger.info("session %s: update %s rejected: %s", self.request_id, event_id, exc)
                 await self._send_error(ErrorCode.INTERACTION_FAILED, exc.message, event_id=event_id)
+                continue
+            except Exception as exc:  # noqa: BLE001 - one failed update must not end the forwarding task
+                logger.exception("session %s: update %s failed unexpectedly", self.request_id, event_id)
+                await self._send_error(ErrorCode.INTERACTION_FAILED,
+                                       f"the update could not be forwarded ({type(exc).__name__})",
+                                       event_id=event_id)
                 continue
             with contextlib.suppress(ClientGone):
                 await self._sink.send(InteractionQueued(self.request_id, event_id))

@@ -46,3 +46,18 @@ def test_wrong_byte_count_is_rejected():
 def test_unsupported_dtype_is_named():
     with pytest.raises(TransportError, match="complex64"):
         tensor_to_parts(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_an_oversized_announcement_is_refused_before_any_bytes_are_kept():
+    part = tensor_to_parts(torch.zeros(4))[0]
+    del part.meta.shape[:]
+    part.meta.shape.extend([1 << 20, 1 << 10])  # 4 GiB of float32
+    with pytest.raises(TransportError, match="more than the"):
+        TensorAssembler("video").add(part)
+
+
+def test_a_part_count_that_does_not_match_the_size_is_refused():
+    part = tensor_to_parts(torch.zeros(4))[0]
+    part.host.count = 5000
+    with pytest.raises(TransportError, match="5000 parts announced for 16 bytes"):
+        TensorAssembler("audio").add(part)
