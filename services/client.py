@@ -254,9 +254,9 @@ async def stream(options: ClientOptions) -> ClientResult:
                     run.on_text(json.loads(msg.data))
                 elif msg.type == aiohttp.WSMsgType.BINARY:
                     run.on_binary(msg.data)
-                await run.tick(ws)
                 if run.result.done is not None:
                     break
+                await run.tick(ws)
         finally:
             ticker.cancel()
             await asyncio.gather(ticker, return_exceptions=True)
@@ -270,7 +270,7 @@ async def stream(options: ClientOptions) -> ClientResult:
 async def _ticker(run: _Run, ws: aiohttp.ClientWebSocketResponse) -> None:
     """Keep the session alive with pings and fire wall-clock updates between frames."""
     last_ping = time.monotonic()
-    while not ws.closed:
+    while not ws.closed and run.result.done is None:
         await asyncio.sleep(0.05)
         await run.tick(ws)
         if time.monotonic() - last_ping >= run.options.ping_interval_s:
