@@ -20,7 +20,6 @@ import logging
 import pickle
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
@@ -30,6 +29,8 @@ import torch.distributed as dist
 from services.common.errors import StageFailed
 from services.dit.api import (HoldConfig, PhaseOutput, PromptUpdate, RuntimeConfig, SessionCancelled, SessionClosed,
                               SessionConfig)
+from services.dit.control import (CancelSession, CloseSession, ControlRecord, Heartbeat, NextPhase, OpenSession,
+                                  PromptSpec, QueryStatus, RankStatus, Shutdown, SubmitPrompt, rank_status)
 from services.dit.runtime import DiTRuntime, StreamingSession
 from services.dit.session import CancelToken
 
@@ -38,93 +39,6 @@ log = logging.getLogger(__name__)
 
 class GroupFailed(StageFailed):
     """A rank of the DiT group died, timed out or diverged; the group is down and must be restarted."""
-
-
-# ---- control records (rank 0 -> all) ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PromptSpec:
-    """Metadata of a prompt embedding whose float32 values follow over the device group."""
-
-    event_id: str
-    rows: int
-    width: int
-
-
-@dataclass(frozen=True)
-class OpenSession:
-    """Open the group's session (hold already disabled: rank 0 holds); the prompt tensors follow."""
-
-    config: SessionConfig
-    prompt: PromptSpec
-    fallback: PromptSpec | None
-
-
-@dataclass(frozen=True)
-class SubmitPrompt:
-    """Queue a prompt update before the next phase; its tensor follows."""
-
-    prompt: PromptSpec
-
-
-@dataclass(frozen=True)
-class NextPhase:
-    """Generate the next phase; `use_fallback` first queues the session's fallback (an expired hold)."""
-
-    use_fallback: bool = False
-
-
-@dataclass(frozen=True)
-class CancelSession:
-    """Cancel the idle session and release its KV."""
-
-
-@dataclass(frozen=True)
-class CloseSession:
-    """Close the session normally."""
-
-
-@dataclass(frozen=True)
-class QueryStatus:
-    """Every rank reports its `RankStatus` (gathered over the control group)."""
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """Keeps idle ranks' control receive inside its timeout and probes their liveness."""
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    """Leave `worker_loop` and exit."""
-
-
-ControlRecord = (OpenSession | SubmitPrompt | NextPhase | CancelSession | CloseSession | QueryStatus | Heartbeat
-                 | Shutdown)
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    """One rank's view of the group's session."""
-
-    rank: int
-    session_open: bool
-    request_index: int
-    phase_index: int
-    kv_local_heads: int
-    """Heads per rank of the KV buffers (num_heads / N); 0 without a session."""
-    kv_head_dim: int
-    kv_live_rows: int
-    kv_audio_rows: int
-    kv_video_rows: int
-
-
-def rank_status(rank: int, session: StreamingSession | None) -> RankStatus:
-    """Describe `session` as seen on this rank."""
-    kv = None if session is None else session.kv
-    if kv is None:
-        return RankStatus(rank, False, 0, 0, 0, 0, 0, 0, 0)
-    return RankStatus(rank, True, session.request_index, session.phase_index, kv.local_heads, kv.head_dim, kv.live,
-                      kv.audio_rows, kv.video_rows)
 
 
 # ---- the communicator ---------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.group import CancelSession, GroupSession
+from services.dit.control import CancelSession
+from services.dit.group import GroupSession
 from services.dit.lora import LoRAAdapter, write_random_adapter
 from services.dit.model import PRESETS, build_random
 from services.dit.runtime import DiTRuntime
