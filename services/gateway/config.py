@@ -48,6 +48,10 @@ class GatewayConfig:
     max_prompt_chars: int = 2000
     """Longest accepted prompt, in characters."""
 
+    max_pending_updates: int = 16
+    """Prompt updates a session may have waiting for the backend; one more gets `too_many_updates`.
+    Only the newest pending update reaches generation at a request boundary, so more is never useful."""
+
     allowed_canvases: tuple[tuple[int, int], ...] = ((480, 864),)
     """Accepted (width, height) pairs; the canvas is fixed per deployment."""
 
@@ -94,6 +98,8 @@ class GatewayConfig:
                 f"GatewayConfig.max_frame_bytes={self.max_frame_bytes} must be >= max_start_bytes "
                 f"({self.max_start_bytes}) and max_interaction_bytes ({self.max_interaction_bytes})"
             )
+        if self.max_pending_updates < 1:
+            raise ValueError(f"GatewayConfig.max_pending_updates={self.max_pending_updates} must be >= 1")
         if self.max_prompt_chars < 1:
             raise ValueError(f"GatewayConfig.max_prompt_chars={self.max_prompt_chars} must be >= 1")
         if not self.allowed_canvases:

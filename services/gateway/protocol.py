@@ -39,6 +39,7 @@ Error codes and whether the connection closes after the `error` message:
   session_not_started      no      interaction or stop before `session.start`
   session_already_started  no      a second `session.start`; the running session continues
   event_id_conflict        no      an interaction reuses an event id of this session
+  too_many_updates         no      max_pending_updates prompt updates already wait for the backend
   session_stopped          no      an interaction after `session.stop`
   interaction_failed       no      the backend rejected a prompt update; streaming continues
   stall_timeout            yes     no chunk and no ping for `stall_timeout_s`
@@ -92,6 +93,7 @@ class ErrorCode(str, Enum):
     SESSION_NOT_STARTED = "session_not_started"
     SESSION_ALREADY_STARTED = "session_already_started"
     EVENT_ID_CONFLICT = "event_id_conflict"
+    TOO_MANY_UPDATES = "too_many_updates"
     SESSION_STOPPED = "session_stopped"
     INTERACTION_FAILED = "interaction_failed"
     STALL_TIMEOUT = "stall_timeout"

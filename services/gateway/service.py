@@ -228,6 +228,12 @@ class Session:
                 ErrorCode.EVENT_ID_CONFLICT, f"event_id {event_id!r} was already used in this session",
                 event_id=event_id,
             )
+        if self._updates.qsize() >= self._cfg.max_pending_updates:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_UPDATES,
+                f"{self._cfg.max_pending_updates} prompt updates are already waiting for the backend; "
+                "send the next one after an acknowledgement", event_id=event_id,
+            )
         self._event_ids.add(event_id)
         self._updates.put_nowait((event_id, interaction.prompt))
         return event_id

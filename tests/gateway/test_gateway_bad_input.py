@@ -264,3 +264,25 @@ async def test_other_sessions_continue_while_a_client_misbehaves(server):
     assert done["stopped"] is False and done["chunks"] == len(good.binaries) >= 6
     assert not good.of_type("error")
     await assert_server_recovers(server)
+
+
+async def test_too_many_pending_updates():
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=6, chunk_delay_s=0.2))
+    async with running_gateway(small_config(max_pending_updates=2), pipeline) as srv:
+        srv.fake = pipeline
+        t1, t2 = Transcript(), Transcript()
+        async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(srv)) as first, \
+                http.ws_connect(ws_url(srv)) as second:
+            await first.send_json(START)
+            await read_until(first, t1, until="video.start")
+            await second.send_json(START)
+            await read_until(second, t2, until="session.queued")  # waiting: its updates pile up unforwarded
+            for i in range(3):
+                await second.send_json({"type": "session.interaction",
+                                        "interaction": {"event_id": f"u{i}", "event": {"prompt": f"p{i}"}}})
+            error = await read_until(second, t2, until="error")
+            await second.send_json({"type": "session.stop"})
+            await first.send_json({"type": "session.stop"})
+            await read_until(second, t2, until="session.done")
+        assert error["code"] == "too_many_updates" and error["event_id"] == "u2"
+        await assert_server_recovers(srv)
