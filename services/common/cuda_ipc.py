@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from services.common import metrics
-from services.common.transport import _FROM_PROTO, _TO_PROTO, TransportError, tensor_to_parts
+from services.common.transport import (DTYPE_TO_PROTO, PROTO_TO_DTYPE, TransportError, tensor_nbytes,
+                                       tensor_to_parts)
 from vitascope.common.v1 import tensor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -224,15 +225,11 @@ class PoolRecord:
 
 def _check_ref(ref: pb.CudaIpcRef, meta: pb.TensorMeta, pool_bytes: int) -> tuple[torch.dtype, list[int]]:
     """Validate a reference against its meta and its pool size; returns (dtype, shape)."""
-    if meta.dtype not in _FROM_PROTO:
-        raise IpcError(f"slot {ref.slot}: unknown dtype {meta.dtype}")
-    dtype, shape = _FROM_PROTO[meta.dtype], [int(s) for s in meta.shape]
-    if any(s < 0 for s in shape):
-        raise IpcError(f"slot {ref.slot}: negative dimension in shape {shape}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    want = numel * torch.empty((), dtype=dtype).element_size()
+    try:
+        want = tensor_nbytes(meta, f"slot {ref.slot}")
+    except TransportError as exc:
+        raise IpcError(str(exc)) from None
+    dtype, shape = PROTO_TO_DTYPE[meta.dtype], [int(s) for s in meta.shape]
     if want != ref.nbytes:
         raise IpcError(f"slot {ref.slot}: {ref.nbytes} bytes for shape {shape} {dtype}, expected {want}")
     if ref.offset_bytes + ref.nbytes > pool_bytes:
@@ -279,8 +276,8 @@ class IpcProducer:
 
     def export(self, tensor: torch.Tensor) -> pb.TensorPart:
         """Copy `tensor` into a leased slot; the part is valid until the consumer's `Release` comes back."""
-        if tensor.dtype not in _TO_PROTO:
-            raise IpcError(f"dtype {tensor.dtype} cannot travel; allowed: {sorted(map(str, _TO_PROTO))}")
+        if tensor.dtype not in DTYPE_TO_PROTO:
+            raise IpcError(f"dtype {tensor.dtype} cannot travel; allowed: {sorted(map(str, DTYPE_TO_PROTO))}")
         if tensor.device != self.device:
             raise IpcError(f"tensor on {tensor.device}, the pool lives on {self.device}")
         nbytes = tensor.numel() * tensor.element_size()
@@ -292,7 +289,7 @@ class IpcProducer:
             src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             self._buffer[offset:offset + nbytes].copy_(src)
         self._events[slot].record(torch.cuda.current_stream(self.device))
-        meta = pb.TensorMeta(dtype=_TO_PROTO[tensor.dtype], shape=list(tensor.shape))
+        meta = pb.TensorMeta(dtype=DTYPE_TO_PROTO[tensor.dtype], shape=list(tensor.shape))
         return pb.TensorPart(meta=meta, cuda=pb.CudaIpcRef(
             pool_id=self.pool_id, slot=slot, generation=gen, offset_bytes=offset, nbytes=nbytes,
             event_handle=self._event_handles[slot], device_uuid=self.record.device_uuid))

@@ -15,14 +15,14 @@ MAX_PART_BYTES = 1 << 20
 MAX_TENSOR_BYTES = 1 << 30
 """Largest tensor accepted from a stream (a phase's latents are a few MB; a prompt embedding at most ~5 MB)."""
 
-_TO_PROTO = {
+DTYPE_TO_PROTO = {
     torch.float32: pb.FLOAT32,
     torch.bfloat16: pb.BFLOAT16,
     torch.float16: pb.FLOAT16,
     torch.uint8: pb.UINT8,
     torch.int64: pb.INT64,
 }
-_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+PROTO_TO_DTYPE = {v: k for k, v in DTYPE_TO_PROTO.items()}
 
 
 class TransportError(ValueError):
@@ -31,9 +31,9 @@ class TransportError(ValueError):
 
 def tensor_to_parts(tensor: torch.Tensor) -> list[pb.TensorPart]:
     """Split a tensor into host-byte parts of at most 1 MiB each."""
-    if tensor.dtype not in _TO_PROTO:
-        raise TransportError(f"dtype {tensor.dtype} cannot travel; allowed: {sorted(map(str, _TO_PROTO))}")
-    meta = pb.TensorMeta(dtype=_TO_PROTO[tensor.dtype], shape=list(tensor.shape))
+    if tensor.dtype not in DTYPE_TO_PROTO:
+        raise TransportError(f"dtype {tensor.dtype} cannot travel; allowed: {sorted(map(str, DTYPE_TO_PROTO))}")
+    meta = pb.TensorMeta(dtype=DTYPE_TO_PROTO[tensor.dtype], shape=list(tensor.shape))
     flat = tensor.detach().contiguous().to("cpu").reshape(-1)
     raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     count = max(1, -(-len(raw) // MAX_PART_BYTES))
@@ -63,7 +63,7 @@ class TensorAssembler:
         if self._meta is not None and (self._meta.dtype, list(self._meta.shape)) != (part.meta.dtype, list(part.meta.shape)):
             raise TransportError(f"{self.name}: parts of one tensor disagree on dtype or shape")
         if chunk.index == 0:
-            expected = _nbytes(part.meta, self.name)
+            expected = tensor_nbytes(part.meta, self.name)
             if expected > MAX_TENSOR_BYTES:
                 raise TransportError(f"{self.name}: {expected} bytes announced, more than the {MAX_TENSOR_BYTES} "
                                      "accepted")
@@ -79,20 +79,20 @@ class TensorAssembler:
         return bytes_to_tensor(meta, raw, self.name)
 
 
-def _nbytes(meta: pb.TensorMeta, name: str) -> int:
+def tensor_nbytes(meta: pb.TensorMeta, name: str) -> int:
     """Bytes of the tensor a meta describes; unknown dtypes and negative dimensions are errors."""
-    if meta.dtype not in _FROM_PROTO:
+    if meta.dtype not in PROTO_TO_DTYPE:
         raise TransportError(f"{name}: unknown dtype {meta.dtype}")
     shape = [int(s) for s in meta.shape]
     if any(s < 0 for s in shape):
         raise TransportError(f"{name}: negative dimension in shape {shape}")
-    return math.prod(shape) * torch.empty((), dtype=_FROM_PROTO[meta.dtype]).element_size()
+    return math.prod(shape) * torch.empty((), dtype=PROTO_TO_DTYPE[meta.dtype]).element_size()
 
 
 def bytes_to_tensor(meta: pb.TensorMeta, raw: bytes, name: str) -> torch.Tensor:
     """Rebuild a tensor from its meta and its raw bytes, checking the byte count."""
-    expected = _nbytes(meta, name)
-    dtype, shape = _FROM_PROTO[meta.dtype], [int(s) for s in meta.shape]
+    expected = tensor_nbytes(meta, name)
+    dtype, shape = PROTO_TO_DTYPE[meta.dtype], [int(s) for s in meta.shape]
     numel = math.prod(shape)
     if len(raw) != expected:
         raise TransportError(f"{name}: {len(raw)} bytes for shape {shape} {dtype}, expected {expected}")
