@@ -18,16 +18,12 @@ import time
 import urllib.request
 
 from services.common.config import Profile, load_profile
+from services.common.grpc_server import HEALTH_NAMES
 from services.common.healthcheck import check
 
 log = logging.getLogger("services.up")
 
 STAGES = ("encoder", "dit", "vae")
-HEALTH_NAMES = {
-    "encoder": "vitascope.encoder.v1.Encoder",
-    "dit": "vitascope.dit.v1.DiT",
-    "vae": "vitascope.vae.v1.VAE",
-}
 START_TIMEOUT_SECONDS = 600.0
 
 

@@ -40,15 +40,18 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+HEALTH_NAMES = {
+    "encoder": "vitascope.encoder.v1.Encoder",
+    "dit": "vitascope.dit.v1.DiT",
+    "vae": "vitascope.vae.v1.VAE",
+}
+"""Readiness health service name of each stage (its gRPC service's full name)."""
 SHUTDOWN_GRACE_SECONDS = 5.0
 HEALTH_POLL_SECONDS = 1.0
 
 
 class Stage(ABC):
-    """What a stage service must provide to be served."""
-
-    health_name: str
-    """Fully qualified gRPC service name, used for readiness health and reflection."""
+    """What a stage's protocol-neutral service must provide to be served."""
 
     @abstractmethod
     def start(self) -> None:
@@ -57,10 +60,6 @@ class Stage(ABC):
     @abstractmethod
     def warmup(self) -> None:
         """Run every shape once / capture graphs so the first request is warm (blocking)."""
-
-    @abstractmethod
-    def add_to_server(self, server: grpc.aio.Server) -> None:
-        """Register the stage's servicer on the server."""
 
     def close(self) -> None:
         """Release devices and files."""
@@ -71,14 +70,18 @@ class Stage(ABC):
         return False
 
 
-async def serve(stage: Stage, port: int, metrics_port: int = 0, host: str = "0.0.0.0",
-                ready: Callable[[], None] | None = None) -> None:
+Register = Callable[[grpc.aio.Server, Stage], None]
+"""Adds a stage's servicer (its grpc_server module's mapping onto the service) to a server."""
+
+
+async def serve(stage: Stage, health_name: str, register: Register, port: int, metrics_port: int = 0,
+                host: str = "0.0.0.0", ready: Callable[[], None] | None = None) -> None:
     """Serve a stage until SIGTERM/SIGINT: liveness at once, readiness after start() and warmup()."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    stage.add_to_server(server)
-    names = (stage.health_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    register(server, stage)
+    names = (health_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -86,9 +89,9 @@ async def serve(stage: Stage, port: int, metrics_port: int = 0, host: str = "0.0
     if metrics_port:
         prometheus_client.start_http_server(metrics_port)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(stage.health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set(health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("%s listening on %s:%d, loading", stage.health_name, host, bound)
+    log.info("%s listening on %s:%d, loading", health_name, host, bound)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -97,26 +100,26 @@ async def serve(stage: Stage, port: int, metrics_port: int = 0, host: str = "0.0
     try:
         await asyncio.to_thread(stage.start)
         await asyncio.to_thread(stage.warmup)
-        await health_servicer.set(stage.health_name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s serving", stage.health_name)
+        await health_servicer.set(health_name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s serving", health_name)
         if ready is not None:
             ready()
         while not stop.is_set():
             if stage.failed:
-                log.error("%s failed; reporting NOT_SERVING", stage.health_name)
-                await health_servicer.set(stage.health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.error("%s failed; reporting NOT_SERVING", health_name)
+                await health_servicer.set(health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), HEALTH_POLL_SECONDS)
         await stop.wait()
     finally:
-        log.info("%s shutting down", stage.health_name)
+        log.info("%s shutting down", health_name)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(SHUTDOWN_GRACE_SECONDS)
         stage.close()
 
 
-def run_stage(name: str, make_stage: Callable[[Profile], Stage]) -> None:
+def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Register) -> None:
     """Entry point of a stage: `python -m services.<name> --profile P [--port N] [--device D]`.
 
     `--device` overrides `<name>.device` (encoder and VAE; the DiT's devices come from the profile only).
@@ -131,4 +134,4 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage]) -> None:
     device = getattr(args, "device", None)
     profile = load_profile(args.profile, {name: {"device": device}} if device else None)
     port = args.port or profile.endpoints.port_of(name)
-    asyncio.run(serve(make_stage(profile), port, getattr(profile, name).metrics_port))
+    asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port, getattr(profile, name).metrics_port))

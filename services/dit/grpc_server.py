@@ -234,3 +234,8 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
                     await requests
                 session.cancel()
                 ACTIVE_SESSIONS.dec()
+
+
+def register(server: grpc.aio.Server, service: DiTService) -> None:
+    """Add the dit servicer to a server."""
+    dit_pb2_grpc.add_DiTServicer_to_server(DiTServicer(service), server)

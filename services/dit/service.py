@@ -63,7 +63,7 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
         ulysses_degree=cfg.usp_degree, audio_reset_requests=cfg.audio_reset_requests), adapter)
 
 
-class DiTService:
+class DiTService(Stage):
     """Owns one DiT group's runtime: in this process (USP1) or rank 0 of a Ulysses group (USP2/USP4)."""
 
     def __init__(self, profile: Profile):
@@ -119,31 +119,3 @@ class DiTService:
         """The runtime's hold settings from the wire's (max_seconds 0 = infinite)."""
         return HoldConfig(enabled=enabled, max_seconds=max_seconds or None,
                           poll_seconds=self.profile.dit.hold_poll_seconds)
-
-
-class DiTStage(Stage):
-    health_name = "vitascope.dit.v1.DiT"
-
-    def __init__(self, profile: Profile):
-        self.service = DiTService(profile)
-
-    def start(self) -> None:
-        self.service.start()
-
-    def warmup(self) -> None:
-        self.service.warmup()
-
-    @property
-    def failed(self) -> bool:
-        return self.service.failed
-
-    def close(self) -> None:
-        self.service.close()
-
-    def add_to_server(self, server) -> None:
-        from services.dit.grpc_server import DiTServicer
-        from vitascope.dit.v1 import dit_pb2_grpc
-
-        dit_pb2_grpc.add_DiTServicer_to_server(DiTServicer(self.service), server)
-
-

@@ -1,6 +1,7 @@
 """`python -m services.encoder --profile configs/tiny_cpu.yaml [--port N] [--device D]`"""
 from services.common.grpc_server import run_stage
-from services.encoder.service import EncoderStage
+from services.encoder.grpc_server import register
+from services.encoder.service import EncoderService
 
 if __name__ == "__main__":
-    run_stage("encoder", EncoderStage)
+    run_stage("encoder", EncoderService, register)

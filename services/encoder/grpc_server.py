@@ -48,3 +48,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             for part in tensor_to_parts(encoded.embedding):
                 yield encoder_pb2.EncodeResponse(embedding=part, num_tokens=num_tokens,
                                                  encode_seconds=encoded.seconds)
+
+
+def register(server: grpc.aio.Server, service: EncoderService) -> None:
+    """Add the encoder servicer to a server."""
+    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(service), server)

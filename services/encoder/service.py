@@ -29,7 +29,7 @@ class Encoded:
     """Wall time of the encode."""
 
 
-class EncoderService:
+class EncoderService(Stage):
     """Owns the text encoder of one process."""
 
     def __init__(self, profile: Profile):
@@ -72,22 +72,3 @@ class EncoderService:
             if emb.is_cuda:
                 torch.cuda.synchronize(emb.device)
             return Encoded(embedding=emb, seconds=time.perf_counter() - started)
-
-
-class EncoderStage(Stage):
-    health_name = "vitascope.encoder.v1.Encoder"
-
-    def __init__(self, profile: Profile):
-        self.service = EncoderService(profile)
-
-    def start(self) -> None:
-        self.service.start()
-
-    def warmup(self) -> None:
-        self.service.warmup()
-
-    def add_to_server(self, server) -> None:
-        from services.encoder.grpc_server import EncoderServicer
-        from vitascope.encoder.v1 import encoder_pb2_grpc
-
-        encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(self.service), server)

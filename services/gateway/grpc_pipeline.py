@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common import tracing
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_server import CHANNEL_OPTIONS, HEALTH_NAMES
 from services.gateway.pipeline import (
     BackendUnavailable,
     InvalidRequest,
@@ -53,11 +53,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 log = logging.getLogger(__name__)
 
 AUDIO_SAMPLE_RATE = 32000
-HEALTH_NAMES = {
-    "encoder": "vitascope.encoder.v1.Encoder",
-    "dit": "vitascope.dit.v1.DiT",
-    "vae": "vitascope.vae.v1.VAE",
-}
 
 
 def pipeline_error(stage: str, exc: grpc.RpcError) -> PipelineError:

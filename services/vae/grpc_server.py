@@ -109,3 +109,8 @@ def observe(index: int, phase_end: vae_pb2.PhaseEnd, chunk: Chunk) -> None:
 
 def _twice(what: str):
     raise SequenceMismatch(f"a second {what} tensor arrived before phase_end")
+
+
+def register(server: grpc.aio.Server, service: VAEService) -> None:
+    """Add the vae servicer to a server."""
+    vae_pb2_grpc.add_VAEServicer_to_server(VAEServicer(service), server)

@@ -82,7 +82,7 @@ class DecodeSession:
                      audio_decode_seconds=0.0, mux_seconds=time.perf_counter() - t0)
 
 
-class VAEService:
+class VAEService(Stage):
     """Owns the shared video and audio decoders of one process."""
 
     def __init__(self, profile: Profile):
@@ -113,22 +113,3 @@ class VAEService:
             raise NotReady("the VAE is still loading")
         return DecodeSession(self.video, self.audio, width, height, fps, sample_rate,
                              self.profile.vae.x264_preset, self._lock)
-
-
-class VAEStage(Stage):
-    health_name = "vitascope.vae.v1.VAE"
-
-    def __init__(self, profile: Profile):
-        self.service = VAEService(profile)
-
-    def start(self) -> None:
-        self.service.start()
-
-    def warmup(self) -> None:
-        self.service.warmup()
-
-    def add_to_server(self, server) -> None:
-        from services.vae.grpc_server import VAEServicer
-        from vitascope.vae.v1 import vae_pb2_grpc
-
-        vae_pb2_grpc.add_VAEServicer_to_server(VAEServicer(self.service), server)
