@@ -153,7 +153,7 @@ def gpu_memory_in_use() -> dict[str, int]:
 def warmup(opts, device, encoder, runtime, video_dec, audio_dec) -> float:
     """One phase of a throw-away session plus one decode, as the services do before reporting SERVING."""
     started = time.perf_counter()
-    text = encoder.encode_ids([b % encoder.stack.args.vocab_size for b in prompt_text(99, opts.prompt_tokens).encode()])
+    text = encoder.encode_bytes(prompt_text(99, opts.prompt_tokens))
     session = runtime.open_session(SessionConfig(seed=1, width=opts.width, height=opts.height),
                                    PromptUpdate(text.float(), "warmup"))
     try:
@@ -171,7 +171,7 @@ def run_session(opts, device, encoder, runtime, video_dec, audio_dec, flops: Flo
     """Stream opts.requests requests with a new prompt each (or only `max_phases` phases); returns per-phase
     records and the time to the first muxed chunk."""
     records, t_open = [], time.perf_counter()
-    first = encoder.encode_ids([b % encoder.stack.args.vocab_size for b in prompt_text(0, opts.prompt_tokens).encode()])
+    first = encoder.encode_bytes(prompt_text(0, opts.prompt_tokens))
     session = runtime.open_session(SessionConfig(seed=8301, width=opts.width, height=opts.height),
                                    PromptUpdate(first.float(), "p0"))
     vdec, adec = IncrementalVideoDecoder(video_dec), IncrementalAudioDecoder(audio_dec)
@@ -183,8 +183,7 @@ def run_session(opts, device, encoder, runtime, video_dec, audio_dec, flops: Flo
                 rec = {"request": k, "phase": p}
                 if p == 1 and k + 1 < opts.requests:  # the next request's prompt arrives mid-request
                     t0 = time.perf_counter()
-                    text = encoder.encode_ids([b % encoder.stack.args.vocab_size
-                                               for b in prompt_text(k + 1, opts.prompt_tokens).encode()])
+                    text = encoder.encode_bytes(prompt_text(k + 1, opts.prompt_tokens))
                     sync(device)
                     rec["text"] = time.perf_counter() - t0
                     session.submit_prompt(PromptUpdate(text.float(), f"p{k + 1}"))

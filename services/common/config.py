@@ -140,7 +140,8 @@ def _check_dtype(name: str, value: str) -> None:
         raise ValueError(f"{name}={value!r}: use one of {DTYPES}")
 
 
-def _section(cls, raw: dict[str, Any] | None, name: str):
+def section(cls, raw: dict[str, Any] | None, name: str):
+    """Build the dataclass `cls` from one profile section, naming any unknown key."""
     raw = dict(raw or {})
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
@@ -160,16 +161,16 @@ def load_profile(path: str | pathlib.Path, overrides: dict[str, dict[str, Any]] 
     unknown = sorted(set(raw) - {"profile", "model", "endpoints", "encoder", "dit", "vae", "gateway"})
     if unknown:
         raise ValueError(f"profile {path}: unknown sections {unknown}")
-    model = _section(ModelConfig, raw.get("model"), "model")
+    model = section(ModelConfig, raw.get("model"), "model")
     if not pathlib.Path(model.dir).is_absolute():
         model = dataclasses.replace(model, dir=str((path.parent.parent / model.dir).resolve()))
     return Profile(
         name=raw.get("profile", path.stem),
         model=model,
-        endpoints=_section(Endpoints, raw.get("endpoints"), "endpoints"),
-        encoder=_section(EncoderConfig, raw.get("encoder"), "encoder"),
-        dit=_section(DiTConfig, raw.get("dit"), "dit"),
-        vae=_section(VAEConfig, raw.get("vae"), "vae"),
+        endpoints=section(Endpoints, raw.get("endpoints"), "endpoints"),
+        encoder=section(EncoderConfig, raw.get("encoder"), "encoder"),
+        dit=section(DiTConfig, raw.get("dit"), "dit"),
+        vae=section(VAEConfig, raw.get("vae"), "vae"),
         gateway=dict(raw.get("gateway") or {}),
         path=str(path.resolve()),
     )

@@ -298,6 +298,11 @@ class TextEncoder:
         return self.encode_ids(self.tokenize(prompt))
 
     @torch.inference_mode()
+    def encode_bytes(self, prompt: str) -> torch.Tensor:
+        """Encode a prompt's UTF-8 bytes as token ids: random-weight checkpoints ship no vocabulary (benchmarks)."""
+        return self.encode_ids([b % self.stack.args.vocab_size for b in prompt.encode()])
+
+    @torch.inference_mode()
     def encode_ids(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Encode token ids `[L]` to `[L, hidden]` in the model dtype."""
         ids = torch.as_tensor(ids, dtype=torch.long)

@@ -62,9 +62,7 @@ class EncoderService(Stage):
             started = time.perf_counter()
             try:
                 if self.model.tokenizer is None:
-                    # Random-weight checkpoints ship no vocabulary: benchmark prompts become byte ids.
-                    vocab = self.model.stack.args.vocab_size
-                    emb = self.model.encode_ids([b % vocab for b in prompt.encode()])
+                    emb = self.model.encode_bytes(prompt)
                 else:
                     emb = self.model.encode(prompt)
             except EncoderInputError as exc:

@@ -7,7 +7,7 @@ import signal
 
 from aiohttp import web
 
-from services.common.config import Endpoints, load_profile
+from services.common.config import Endpoints, load_profile, section
 from services.common.logging_setup import configure_logging
 from services.gateway.config import GatewayConfig
 from services.gateway.grpc_pipeline import GrpcPipeline
@@ -18,16 +18,12 @@ _TUPLE_FIELDS = ("allowed_canvases", "default_canvas")
 
 def gateway_config(raw: dict) -> GatewayConfig:
     """The profile's gateway section as a GatewayConfig (YAML lists become tuples)."""
-    known = {f.name for f in dataclasses.fields(GatewayConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"profile section 'gateway': unknown keys {unknown}; known keys are {sorted(known)}")
     values = dict(raw)
     if "allowed_canvases" in values:
         values["allowed_canvases"] = tuple(tuple(c) for c in values["allowed_canvases"])
     if "default_canvas" in values:
         values["default_canvas"] = tuple(values["default_canvas"])
-    return GatewayConfig(**values)
+    return section(GatewayConfig, values, "gateway")
 
 
 async def run(config: GatewayConfig, endpoints: Endpoints) -> None:
