@@ -156,8 +156,8 @@ def load_profile(path: str | pathlib.Path, overrides: dict[str, dict[str, Any]] 
     if not path.is_file():
         raise ValueError(f"profile {path} does not exist")
     raw = yaml.safe_load(path.read_text()) or {}
-    for section, values in (overrides or {}).items():
-        raw.setdefault(section, {}).update(values)
+    for name, values in (overrides or {}).items():
+        raw.setdefault(name, {}).update(values)
     unknown = sorted(set(raw) - {"profile", "model", "endpoints", "encoder", "dit", "vae", "gateway"})
     if unknown:
         raise ValueError(f"profile {path}: unknown sections {unknown}")
