@@ -20,12 +20,7 @@ class StreamingAttention:
     """`AttentionPattern` for one streaming forward; `commit=True` stages clean media K/V of every layer."""
 
     def __init__(self, layout: PackedLayout, cache: CleanAVKVCache, commit: bool = False):
-        tt, nm = layout.text_len, layout.num_media
-        # pack_layout puts text, audio and video in contiguous row ranges; check that once, off the hot path.
-        expect = torch.arange(tt, tt + nm)
-        got = torch.cat([layout.audio_index.cpu(), layout.video_index.cpu()])
-        if not torch.equal(layout.text_index.cpu(), torch.arange(tt)) or not torch.equal(got, expect):
-            raise ValueError("StreamingAttention needs the [text | audio | video | pad] row order of pack_layout")
+        tt, nm = layout.text_len, layout.num_media  # rows: [text | audio | video | pad] (a PackedLayout invariant)
         if commit and not cache.in_transaction:
             raise ValueError("commit-mode attention needs an open KV transaction (cache.begin)")
         self.text_len, self.media_len, self.seq_len = tt, nm, layout.seq_len

@@ -27,7 +27,12 @@ def _f32(value: float) -> float:
 
 @dataclass(frozen=True, eq=False)
 class PackedLayout:
-    """Row layout of one packed document; every tensor indexes the global row order."""
+    """Row layout of one packed document; every tensor indexes the global row order.
+
+    The rows are always contiguous ranges in the order [text | audio-L | audio-R | video | pad]; the attention
+    patterns slice by these ranges. The order is checked where layouts are built (on the CPU), not again after
+    `to(device)`, so a forward never waits on the device for it.
+    """
 
     seq_len: int
     """S: packed rows including padding, a multiple of `PAD_MULTIPLE`."""
@@ -72,6 +77,13 @@ class PackedLayout:
         if tuple(self.timesteps.shape) != (len(self.timestep_values),):
             raise ValueError(f"timesteps has shape {tuple(self.timesteps.shape)}, expected "
                              f"({len(self.timestep_values)},) to match timestep_values")
+        if self.text_index.device.type == "cpu":
+            tt, ta = self.text_len, 2 * self.audio_len
+            for name, start in (("text_index", 0), ("audio_index", tt), ("video_index", tt + ta)):
+                index = getattr(self, name)
+                if not torch.equal(index, torch.arange(start, start + index.numel())):
+                    raise ValueError(f"{name} is not the contiguous range starting at row {start}: the rows must be "
+                                     "ordered [text | audio-L | audio-R | video | pad]")
 
     @property
     def audio_rows(self) -> int:
