@@ -29,8 +29,6 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from services.dit.fused import cuda_compiled
-
 log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -53,10 +51,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-quantize_activation = cuda_compiled(quantize_rows)
-"""`quantize_rows` for activations: on CUDA one fused kernel (one read of x, one fp8 write)."""
-
-
 def scaled_mm_supported(device: torch.device) -> bool:
     """True where `torch._scaled_mm` with row-wise scales runs: CUDA, compute capability >= 8.9."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -76,6 +70,8 @@ class FP8Linear(nn.Module):
         self.bias = bias
         self.backend = "auto"
         """"auto": `_scaled_mm` where supported, else the dequantising reference; "reference": always the latter."""
+        self.scaled_mm = scaled_mm_supported(weight.device)
+        """Decided once, where the weight lives (the DiT is built on its device), not per call."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
@@ -109,8 +105,8 @@ class FP8Linear(nn.Module):
             raise Fp8Error(f"FP8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        xq, sx = quantize_activation(x2)  # [M, K] fp8, [M, 1] fp32
-        if self.backend == "auto" and scaled_mm_supported(x.device):
+        xq, sx = quantize_rows(x2)  # [M, K] fp8, [M, 1] fp32; fused with its producer in a compiled block region
+        if self.backend == "auto" and self.scaled_mm:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=sx, scale_b=self.weight_scale,
                                    out_dtype=torch.bfloat16)
         else:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.dit.adaln_cache import AdaLNCacheReport, install_adaln_cache
-from services.dit.fused import gated_residual, norm_modulate, qk_norm_rope, rms_norm, swiglu
+from services.dit.fused import cuda_compiled, gated_residual, norm_modulate, qk_norm_rope, rms_norm, swiglu
 from services.dit.layout import NUM_MODALITIES, PackedLayout
 
 # Parameters the shipped checkpoint keeps in float32 (prefixes of the original key names).
@@ -199,16 +199,24 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.qk_norm_eps)
         self.out_proj = nn.Linear(args.inner_dim, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, attend, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        # x: [S, C] -> qkv: [S, 3, H, D]
-        qkv = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_dim))
+    def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v `[S, H, D]` of x `[S, C]`: QK-norm, then RoPE where given."""
+        qkv = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # [S, 3, H, D]
         q, k, v = qkv.unbind(1)
         if rope is not None:
             q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
         else:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = attend(q, k, v)  # [S, H, D]
+        return q, k, v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        # out: [S, H, D] -> [S, C]
         return self.out_proj(out.flatten(1))
+
+    def forward(self, x: torch.Tensor, attend, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        # x: [S, C] -> [S, C]
+        return self.project_out(attend(*self.project_qkv(x, rope)))
 
 
 class MLP(nn.Module):
@@ -268,13 +276,30 @@ class Block(nn.Module):
         self.mlp = MLP(args)
         self.adaln_proj = AdaLNProj(args.time_embed_dim, args.adaln_out)
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor, attend, rope) -> torch.Tensor:
-        # x: [S, C]; mod: [S, 6, C] rows of (shift, scale, gate) x (attention, mlp)
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)
-        h = norm_modulate(x, self.norm1.weight, shift1, scale1, self.norm1.eps)
-        x = gated_residual(x, gate1, self.attn(h, attend, rope))
-        h = norm_modulate(x, self.norm2.weight, shift2, scale2, self.norm2.eps)
-        return gated_residual(x, gate2, self.mlp(h))
+    def forward(self, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], attend) -> torch.Tensor:
+        # x: [S, C]; table: [n * 3, 6, C] AdaLN (shift, scale, gate) x (attention, mlp); rows: [S] table row per x row
+        q, k, v = attention_inputs(self, x, table, rows, *rope)
+        return residual_branches(self, x, table, rows, attend(q, k, v))
+
+
+@cuda_compiled
+def attention_inputs(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's first region: AdaLN-modulated norm, QKV projection, QK-norm and RoPE -> q, k, v `[S, H, D]`."""
+    mod = table.index_select(0, rows)  # [S, 6, C]
+    h = norm_modulate(x, block.norm1.weight, mod[:, 0], mod[:, 1], block.norm1.eps)
+    return block.attn.project_qkv(h, (cos, sin))
+
+
+@cuda_compiled
+def residual_branches(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                      attn_out: torch.Tensor) -> torch.Tensor:
+    """A block's second region: gated attention residual, then the modulated, gated MLP residual -> x `[S, C]`."""
+    mod = table.index_select(0, rows)  # [S, 6, C]
+    x = gated_residual(x, mod[:, 2], block.attn.project_out(attn_out))
+    h = norm_modulate(x, block.norm2.weight, mod[:, 3], mod[:, 4], block.norm2.eps)
+    return gated_residual(x, mod[:, 5], block.mlp(h))
 
 
 class TimeEmbedder(nn.Module):
@@ -370,8 +395,7 @@ class DiT(nn.Module):
         rope = (shard.split(cos.to(dt)), shard.split(sin.to(dt)))
         # 3. Blocks.
         for i, block in enumerate(self.blocks):
-            mod = block_mods[i].index_select(0, rows)  # [S_local, 6, C]
-            x = block(x, mod, lambda q, k, v, i=i: attention(i, q, k, v), rope)
+            x = block(x, block_mods[i], rows, rope, attend=lambda q, k, v, i=i: attention(i, q, k, v))
         x = shard.gather(x)
         if not heads:
             return None

@@ -3,13 +3,18 @@
 Times one 10-latent phase forward (480×864, 400 text rows, 13,000 history rows) of the full DiT with random
 weights as features are switched on one by one — BF16 base, + LoRA side branch, + FP8 block linears, LoRA
 suspended (the teacher's path) — then profiles the last configuration and prints the kernels that take the
-most GPU time, grouped into matrix products, attention and everything else. Knows nothing about sessions.
+most GPU time, grouped into matrix products, attention and everything else. Last, the student forward at smaller
+phases (5 and 1 latents, and the teacher's ~900-row audio document) with the host time the call takes to return
+beside the device time: where they meet, the forward is bound by the host's per-op dispatch, not the GPU.
+Knows nothing about sessions.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import re
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,6 +37,39 @@ def category(name: str) -> str:
         if pattern.search(name):
             return label
     return "other"
+
+
+def host_and_device_ms(model, inputs, layout, attention, runs: int = 5) -> tuple[float, float]:
+    """Median (host ms for the forward call to return, device ms between events around it)."""
+    host, device = [], []
+    for r in range(runs + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        model(*inputs, layout, attention)
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        if r >= 2:
+            host.append((t1 - t0) * 1e3)
+            device.append(start.elapsed_time(end))
+    return statistics.median(host), statistics.median(device)
+
+
+def dispatch_table(model, args, dev) -> list[str]:
+    """Student forwards of shrinking phases: host time to return vs device time."""
+    lines = [f"{'phase':28s} {'rows':>6s} {'host ms':>8s} {'device ms':>9s}"]
+    shapes = (("10 latents + 13,000 history", Geometry(10 * 15 * 27, 57, 400, 13000)),
+              ("5 latents + 13,000 history", Geometry(5 * 15 * 27, 29, 400, 13000)),
+              ("1 latent + 13,000 history", Geometry(15 * 27, 6, 400, 13000)),
+              ("teacher-size: 137 audio/ch", Geometry(0, 137, 400, 0)))
+    for name, g in shapes:
+        layout, inputs = _phase(args, g, dev, seed=0)
+        attention = HistoryAttention(layout, g.history_rows, args.num_heads, args.head_dim, dev, torch.bfloat16, 0)
+        host, device = host_and_device_ms(model, inputs, layout, attention)
+        lines.append(f"{name:28s} {layout.seq_len:6d} {host:8.1f} {device:9.1f}")
+    return lines
 
 
 def main() -> None:
@@ -59,6 +97,7 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model(*inputs, layout, attention)
             torch.cuda.synchronize()
+        dispatch = dispatch_table(model, args, dev)
     totals: dict[str, float] = {}
     kernels = []
     for evt in prof.key_averages():
@@ -76,6 +115,7 @@ def main() -> None:
         f"{k} {v / 1e3:.1f} ms ({100 * v / all_us:.0f}%)" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))
     for us, count, name in sorted(kernels, reverse=True)[:opts.top]:
         print(f"{us / 1e3:8.2f} ms {count:6d}x  [{category(name):9s}] {name}")
+    print("\n".join(dispatch))
 
 
 if __name__ == "__main__":

@@ -140,13 +140,13 @@ def install_ulysses(model: DiT, group: ProcessGroup | None, rank: int, world_siz
     handle = UlyssesHandle(model, [], world_size, rank, shard)
 
     def wrap_attend(module: Block, args: tuple, kwargs: dict):
-        # Block.forward(x, mod, attend, rope): swap attend for its Ulysses wrapper
+        # Block.forward(x, table, rows, rope, attend): swap attend for its Ulysses wrapper
         if handle.local_depth:
             return None
         if "attend" in kwargs:
             kwargs = {**kwargs, "attend": UlyssesAttend(kwargs["attend"], group, world_size)}
         else:
-            args = (*args[:2], UlyssesAttend(args[2], group, world_size), *args[3:])
+            args = (*args[:4], UlyssesAttend(args[4], group, world_size), *args[5:])
         return args, kwargs
 
     handle.hooks = [block.register_forward_pre_hook(wrap_attend, with_kwargs=True) for block in model.blocks]

@@ -1,0 +1,128 @@
+"""The compiled block regions (the CUDA path) compute what the eager blocks compute, with one graph for every block.
+
+On the CPU the regions run eager; here they are compiled on the CPU too (inductor, the same graphs the GPU gets
+apart from the kernels) and swapped into the model, so a recompile per block or a graph break fails the test.
+"""
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from services.dit import fused
+from services.dit import model as dit_model
+from services.dit.fp8 import quantize_linears, relative_error
+from services.dit.layout import pack_layout
+from services.dit.lora import LoRAAdapter, write_random_adapter
+from services.dit.model import PRESETS, FullAttention, build_random
+
+ARGS = dataclasses.replace(PRESETS["tiny"], num_layers=6)
+
+
+def _forward(model, tv=12, a=6, tt=5, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    layout = pack_layout(text_len=tt, audio_len_per_channel=a, video_rows=tv,
+                         positions_text=torch.rand(tt, 3, generator=gen),
+                         positions_audio=torch.rand(2 * a, 3, generator=gen),
+                         positions_video=torch.rand(tv, 3, generator=gen), video_t=0.3, audio_t=0.6)
+    with torch.no_grad():
+        out = model(torch.randn(tv, 96, generator=gen), torch.randn(2 * a, 32, generator=gen),
+                    torch.randn(tt, ARGS.text_dim, generator=gen), layout, FullAttention(layout))
+    return torch.cat([o.flatten() for o in out])
+
+
+@pytest.fixture
+def compiled_regions(monkeypatch):
+    """Swap both block regions for their torch.compile'd versions (as on CUDA), on a fresh dynamo cache."""
+    torch._dynamo.reset()
+    counters.clear()
+    for name in ("attention_inputs", "residual_branches"):
+        eager = getattr(dit_model, name).eager
+        monkeypatch.setattr(dit_model, name, torch.compile(eager, dynamic=True, fullgraph=True))
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.cpu
+def test_compiled_regions_equal_eager_with_one_graph_per_region_kind(tmp_path, compiled_regions):
+    adapter_dir = write_random_adapter(ARGS, tmp_path / "lora", seed=1)
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    adapter = LoRAAdapter.load(model, adapter_dir)
+    quantize_linears(model, ignore=["blocks.0.*", "blocks.5.*"])  # FP8 (reference GEMM) and BF16-kind blocks
+    for layer in model.modules():
+        if hasattr(layer, "scaled_mm"):
+            layer.backend = "reference"
+    with monkeypatch_eager():
+        student_ref = _forward(model)
+        with adapter.suspended():
+            teacher_ref = _forward(model)
+        other_ref = _forward(model, tv=24, a=9, tt=7, seed=6)
+
+    student = _forward(model)
+    graphs_student = counters["stats"]["unique_graphs"]
+    with adapter.suspended():
+        teacher = _forward(model)
+    other = _forward(model, tv=24, a=9, tt=7, seed=6)  # new row counts: dynamic shapes, no new graph
+    graphs_all = counters["stats"]["unique_graphs"]
+
+    for got, want in ((student, student_ref), (teacher, teacher_ref), (other, other_ref)):
+        assert relative_error(got, want) < 1e-6, relative_error(got, want)
+    assert relative_error(student, teacher) > 1e-4  # the LoRA branch is live in the compiled student
+    # two regions x (FP8 block, plain block): 4 graphs serve all 6 blocks; the teacher adds LoRA-off variants only
+    assert 2 <= graphs_student <= 4, graphs_student
+    assert graphs_all <= 8, graphs_all
+
+
+class monkeypatch_eager:
+    """Run the model with the plain (eager) regions inside the block, whatever is installed."""
+
+    def __enter__(self):
+        self.saved = dit_model.attention_inputs, dit_model.residual_branches
+        dit_model.attention_inputs = dit_model.attention_inputs._torchdynamo_orig_callable
+        dit_model.residual_branches = dit_model.residual_branches._torchdynamo_orig_callable
+
+    def __exit__(self, *exc):
+        dit_model.attention_inputs, dit_model.residual_branches = self.saved
+
+
+@pytest.mark.cpu
+def test_cpu_runs_the_plain_regions():
+    """Off CUDA the regions are the plain functions: nothing is compiled on the CPU service path."""
+    torch._dynamo.reset()
+    counters.clear()
+    _forward(build_random(ARGS, "cpu", torch.float32, seed=0))
+    assert counters["stats"]["unique_graphs"] == 0
+
+
+@pytest.mark.cpu
+def test_rope_leaves_the_unrotated_channels_alone():
+    x = torch.randn(5, 2, 8)
+    cos, sin = torch.ones(5, 6), torch.zeros(5, 6)
+    out = fused.apply_rope(x, cos, sin)
+    assert torch.equal(out, x)
+    out = fused.apply_rope(x, torch.zeros(5, 6), torch.ones(5, 6))  # a quarter turn: (x1, x2) -> (-x2, x1)
+    assert torch.equal(out[..., 6:], x[..., 6:])
+    assert torch.equal(out[..., :3], -x[..., 3:6]) and torch.equal(out[..., 3:6], x[..., :3])
+
+
+@pytest.mark.gpu
+def test_cuda_forward_compiled_equals_eager_in_bf16():
+    """On CUDA the model compiles its regions itself; the result matches the plain regions within BF16 rounding."""
+    torch._dynamo.reset()
+    model = build_random(ARGS, "cuda", torch.bfloat16, seed=0)
+    compiled = _forward(model)
+    with monkeypatch_plain():
+        eager = _forward(model)
+    assert relative_error(compiled, eager) < 2e-2
+
+
+class monkeypatch_plain:
+    """Run the model's block regions as their plain functions (`cuda_compiled(...).eager`)."""
+
+    def __enter__(self):
+        self.saved = dit_model.attention_inputs, dit_model.residual_branches
+        dit_model.attention_inputs = dit_model.attention_inputs.eager
+        dit_model.residual_branches = dit_model.residual_branches.eager
+
+    def __exit__(self, *exc):
+        dit_model.attention_inputs, dit_model.residual_branches = self.saved
