@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental import _config as fx_config
 
 
 def cuda_compiled(eager: Callable) -> Callable:
@@ -26,11 +27,24 @@ def cuda_compiled(eager: Callable) -> Callable:
         if not next(a for a in args if isinstance(a, torch.Tensor)).is_cuda:
             return eager(*args)
         if compiled is None:
+            apply_compiler_settings()
             compiled = torch.compile(eager, dynamic=True, fullgraph=True)
         return compiled(*args)
 
     run.__name__, run.__doc__, run.eager = eager.__name__, eager.__doc__, eager
     return run
+
+
+def apply_compiler_settings() -> None:
+    """Process-wide compiler settings for the block regions, set before the first compile.
+
+    Sizes that happen to be equal are traced as separate symbols (no "duck" sizing), so a start-up forward whose row
+    counts coincide does not give a graph that a later phase fails and recompiles in the hot path; and each region
+    may hold more variants than dynamo's default 8 (FP8 and BF16 blocks x LoRA on and off x one or several
+    timesteps is already 8) before it would fall back to eager.
+    """
+    fx_config.use_duck_shape = False
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

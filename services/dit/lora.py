@@ -192,6 +192,9 @@ class LoRAAdapter:
             base = layer.get_base_layer()
             base.weight = self._merged[name] if merged and self._merged is not None else self._base[name]
             layer.enable_adapters(self._depth == 0 and not merged)
+            # peft marks an enabled adapter trainable; inference keeps it frozen (and the compiled block regions,
+            # which are specialised on requires_grad, keep one variant per LoRA state)
+            layer.requires_grad_(False)
 
     @contextmanager
     def suspended(self) -> Iterator[None]:

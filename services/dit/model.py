@@ -153,8 +153,8 @@ class FullAttention:
         if q.shape[0] != self.seq_len:
             raise ValueError(f"FullAttention built for {self.seq_len} rows got q with {q.shape[0]} rows")
         n = self.num_real
-        if n == self.seq_len:
-            return sdpa_rows(q, k, v)
+        if n == self.seq_len:  # a fresh tensor, not a view, like every pattern's output: the compiled block
+            return sdpa_rows(q, k, v).clone()  # region is specialised on whether its input is a view
         return torch.cat([sdpa_rows(q[:n], k[:n], v[:n]), sdpa_rows(q[n:], k[n:], v[n:])], dim=0)
 
 

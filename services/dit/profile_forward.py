@@ -72,6 +72,20 @@ def dispatch_table(model, args, dev) -> list[str]:
     return lines
 
 
+def host_profile(model, args, dev, top: int) -> list[str]:
+    """Where the host time of a 1-latent student forward goes: the ops with the most self CPU time."""
+    g = Geometry(15 * 27, 6, 400, 13000)
+    layout, inputs = _phase(args, g, dev, seed=0)
+    attention = HistoryAttention(layout, g.history_rows, args.num_heads, args.head_dim, dev, torch.bfloat16, 0)
+    model(*inputs, layout, attention)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(*inputs, layout, attention)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return ["host time of a 1-latent forward, by op (self CPU ms, calls):"] + [
+        f"{e.self_cpu_time_total / 1e3:8.2f} ms {e.count:6d}x  {e.key[:90]}" for e in events]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -97,7 +111,7 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model(*inputs, layout, attention)
             torch.cuda.synchronize()
-        dispatch = dispatch_table(model, args, dev)
+        dispatch = dispatch_table(model, args, dev) + host_profile(model, args, dev, opts.top)
     totals: dict[str, float] = {}
     kernels = []
     for evt in prof.key_averages():

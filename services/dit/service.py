@@ -19,7 +19,8 @@ from services.dit.checkpoint import load_dit
 from services.dit.fp8 import quantize_linears
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, build_random
+from services.dit.layout import pack_layout
+from services.dit.model import PRESETS, DiT, FullAttention, build_random
 from services.dit.runtime import DiTRuntime
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 
@@ -58,9 +59,38 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
                  len(report.kept), report.bytes_before / 2**30, report.bytes_after / 2**30)
     if cfg.adaln_cache:
         log.info("AdaLN cache: %s", model.cache_adaln(runtime_timesteps()))
+    if device.type == "cuda":
+        compile_block_regions(model, adapter)
     return DiTRuntime(model, RuntimeConfig(
         canvases=cfg.canvas_short_edges, max_text_tokens=profile.encoder.max_tokens,
         ulysses_degree=cfg.usp_degree, audio_reset_requests=cfg.audio_reset_requests), adapter)
+
+
+def compile_block_regions(model: DiT, adapter: LoRAAdapter) -> None:
+    """Compile every variant of the block regions here, on this rank alone, before any session.
+
+    Compiling takes minutes on first use; inside a lock-step step of a Ulysses group one rank would then hold the
+    others at a collective past its timeout. Shapes are dynamic, so small forwards cover every phase size; the
+    variants are the LoRA on (students, commit) and off (teacher), and a layout of one timestep (the clean commit,
+    the first teacher) or several (the compiler specialises a size of 1).
+    """
+    started = time.perf_counter()
+    dev = model.condition_proj.weight.device
+    tt, audio, video = 13, 7, 24  # no two row counts equal
+    inputs = (torch.zeros(video, model.args.video_row_dim, device=dev),
+              torch.zeros(2 * audio, model.args.audio_channels, device=dev),
+              torch.zeros(tt, model.args.text_dim, device=dev, dtype=model.dtype))
+    for video_t, audio_t in ((0.0, 0.0), (model_t(VIDEO_SIGMAS[1]), model_t(AUDIO_SIGMAS[1]))):
+        layout = pack_layout(text_len=tt, audio_len_per_channel=audio, video_rows=video,
+                             positions_text=torch.zeros(tt, 3), positions_audio=torch.zeros(2 * audio, 3),
+                             positions_video=torch.zeros(video, 3), video_t=video_t, audio_t=audio_t).to(dev)
+        with torch.no_grad():
+            model(*inputs, layout, FullAttention(layout))
+            with adapter.suspended():
+                model(*inputs, layout, FullAttention(layout))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    log.info("block regions compiled in %.1f s", time.perf_counter() - started)
 
 
 class DiTService(Stage):

@@ -8,13 +8,17 @@ import dataclasses
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.fx.experimental import _config as fx_config
 
+from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
 from services.dit import fused
+from services.dit.api import PromptUpdate, SessionConfig
 from services.dit import model as dit_model
 from services.dit.fp8 import quantize_linears, relative_error
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, write_random_adapter
 from services.dit.model import PRESETS, FullAttention, build_random
+from services.dit.service import build_runtime, compile_block_regions
 
 ARGS = dataclasses.replace(PRESETS["tiny"], num_layers=6)
 
@@ -25,6 +29,7 @@ def _forward(model, tv=12, a=6, tt=5, seed=5):
                          positions_text=torch.rand(tt, 3, generator=gen),
                          positions_audio=torch.rand(2 * a, 3, generator=gen),
                          positions_video=torch.rand(tv, 3, generator=gen), video_t=0.3, audio_t=0.6)
+    layout = layout.to(model.condition_proj.weight.device)
     with torch.no_grad():
         out = model(torch.randn(tv, 96, generator=gen), torch.randn(2 * a, 32, generator=gen),
                     torch.randn(tt, ARGS.text_dim, generator=gen), layout, FullAttention(layout))
@@ -36,10 +41,13 @@ def compiled_regions(monkeypatch):
     """Swap both block regions for their torch.compile'd versions (as on CUDA), on a fresh dynamo cache."""
     torch._dynamo.reset()
     counters.clear()
+    saved = fx_config.use_duck_shape, torch._dynamo.config.cache_size_limit
+    fused.apply_compiler_settings()
     for name in ("attention_inputs", "residual_branches"):
         eager = getattr(dit_model, name).eager
         monkeypatch.setattr(dit_model, name, torch.compile(eager, dynamic=True, fullgraph=True))
     yield
+    fx_config.use_duck_shape, torch._dynamo.config.cache_size_limit = saved
     torch._dynamo.reset()
 
 
@@ -83,6 +91,26 @@ class monkeypatch_eager:
 
     def __exit__(self, *exc):
         dit_model.attention_inputs, dit_model.residual_branches = self.saved
+
+
+@pytest.mark.cpu
+def test_start_up_compiles_every_region_the_session_uses(compiled_regions):
+    """After `compile_block_regions` a session phase (students, teacher, commit; FP8, AdaLN cache) compiles nothing."""
+    profile = Profile(name="t", model=ModelConfig(preset="tiny", dir="", random_weights_on_device=True),
+                      encoder=EncoderConfig(max_tokens=64),
+                      dit=DiTConfig(devices=("cpu",), dtype="float32", canvas_short_edges=(192,), fp8=True,
+                                    adaln_cache=True))
+    runtime = build_runtime(profile, torch.device("cpu"))
+    compile_block_regions(runtime.model, runtime.adapter)
+    at_start_up = counters["stats"]["unique_graphs"]
+    session = runtime.open_session(SessionConfig(seed=3, width=320, height=192),
+                                   PromptUpdate(torch.randn(11, PRESETS["tiny"].text_dim), "p"))
+    try:
+        session.next_phase()
+        session.next_phase()
+    finally:
+        session.close()
+    assert at_start_up >= 4 and counters["stats"]["unique_graphs"] == at_start_up
 
 
 @pytest.mark.cpu
