@@ -1,11 +1,15 @@
 """Session benchmark on one GPU group: `python -m services.bench --requests 4 --fp8 --adaln-cache --baseline`.
 
-Runs the whole generation path in one process with random weights built on the device (no files): text
-encoder → DiT streaming runtime (LoRA student, audio teacher, clean commit) → incremental video/audio decode →
-fMP4 mux, with a new prompt every request, and the latents' host-bytes transport encoded and decoded as the
-services do. Prints per-request time and real-time factor, time to first chunk, a per-stage breakdown, peak
-memory, start-up time, the FLOP count and floor of each request, and (with --baseline) the same DiT phase
-forward through diffusers' `MiniMaxH3Transformer3DModel` beside ours. Knows nothing about gRPC or websockets.
+Runs the whole generation path with random weights built on the devices (no files), pipelined as the stage
+services run it: text encoder and DiT streaming runtime (LoRA student, audio teacher, clean commit; one rank here,
+the others in the DiT group's processes) in this process; incremental video/audio decode and the fMP4 muxer in a
+separate VAE process on the last device, fed through a queue with the DiT at most `dit.max_phases_ahead` phases
+ahead of delivered chunks (the services' credit window). So the VAE shares its GPU with a DiT rank exactly as in
+the usp2 profile, and the real-time factor is measured, not added up. A new prompt every request; the latents'
+host-bytes transport encoded and decoded as between processes. Prints per-request stage times, the interval
+between delivered chunks and its real-time factor, time to first chunk (cold and warm), GPU memory after every
+request, start-up time, the FLOP count and floor of each request, and (with --baseline) the same DiT phase forward
+through diffusers' `MiniMaxH3Transformer3DModel` beside ours. Knows nothing about gRPC or websockets.
 """
 from __future__ import annotations
 
@@ -19,10 +23,10 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from services.common.transport import TensorAssembler, tensor_to_parts
-from services.dit.api import PromptUpdate, SessionConfig
 from peft.tuners.lora import LoraLayer
 
+from services.common.transport import TensorAssembler, tensor_to_parts
+from services.dit.api import PromptUpdate, SessionConfig
 from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
 from services.dit.group import DiTGroup
 from services.dit.lora import ADAPTER_NAME
@@ -120,11 +124,10 @@ def transport(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def build(opts):
-    """Build encoder and VAEs here and the DiT runtime (one rank, or a Ulysses group) with the profile's options."""
+    """Build the encoder here and the DiT runtime (one rank, or a Ulysses group) with the profile's options."""
     started = time.perf_counter()
     devices = tuple(opts.devices.split(","))
     cuda = devices[0].startswith("cuda")
-    dtype = torch.bfloat16 if cuda else torch.float32
     profile = Profile(
         name="bench", model=ModelConfig(preset=opts.preset, dir="", random_weights_on_device=True),
         encoder=EncoderConfig(max_tokens=opts.max_tokens),
@@ -132,13 +135,10 @@ def build(opts):
                       canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache))
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
         else DiTGroup.start(profile, build_runtime)
-    encoder_device, vae_device = torch.device(devices[0]), torch.device(devices[-1])
-    encoder = TextEncoder.random(opts.preset, encoder_device, dtype, max_tokens=opts.max_tokens)
-    video = VideoDecoder(build_video_vae(opts.preset).to(vae_device, dtype).eval())
-    audio = AudioDecoder(build_audio_vae(opts.preset).to(vae_device).eval())
-    for d in {encoder_device, vae_device}:
-        sync(d)
-    return profile, encoder, runtime, video, audio, time.perf_counter() - started
+    encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,
+                                 max_tokens=opts.max_tokens)
+    sync(torch.device(devices[0]))
+    return profile, encoder, runtime, time.perf_counter() - started
 
 
 def gpu_memory_in_use() -> dict[str, int]:
@@ -150,8 +150,79 @@ def gpu_memory_in_use() -> dict[str, int]:
     return out
 
 
-def warmup(opts, device, encoder, runtime, video_dec, audio_dec) -> float:
-    """One phase of a throw-away session plus one decode, as the services do before reporting SERVING."""
+def vae_worker(opts, inbox, outbox) -> None:
+    """The VAE stage in its own process on the last device: decode and mux every phase put in `inbox`.
+
+    Messages in: ("phase", video [F, C, h, w], audio [2, A, 32]), ("reset",) before a new session, None to stop.
+    Out: "ready" once built, then per phase a dict of stage seconds and the monotonic time its chunk was muxed.
+    """
+    device = torch.device(opts.devices.split(",")[-1])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        vdec = IncrementalVideoDecoder(VideoDecoder(build_video_vae(opts.preset).to(device, dtype).eval()))
+        adec = IncrementalAudioDecoder(AudioDecoder(build_audio_vae(opts.preset).to(device).eval()))
+        mux = None
+        outbox.put("ready")
+        while (msg := inbox.get()) is not None:
+            if msg[0] == "reset":
+                vdec.reset()
+                adec.reset()
+                mux = FragmentedMP4Muxer(opts.width, opts.height, fps=24, sample_rate=32000)
+                continue
+            _, video, audio = msg
+            t0 = time.perf_counter()
+            frames = vdec.decode(video.to(device))  # uint8 frames on the host
+            t1 = time.perf_counter()
+            samples = adec.decode(audio.to(device))
+            t2 = time.perf_counter()
+            data = mux.encode(frames.numpy(), samples.numpy())
+            outbox.put(dict(video_decode=t1 - t0, audio_decode=t2 - t1, mux=time.perf_counter() - t2,
+                            bytes=len(data), delivered=time.monotonic()))
+
+
+class VAEStage:
+    """This process's handle on the VAE worker: a credit window of phases in flight, as the services keep."""
+
+    def __init__(self, opts, window: int):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=vae_worker, args=(opts, self.inbox, self.outbox), name="bench-vae")
+        self.process.start()
+        self.window, self.in_flight, self.results = window, 0, []
+        if self.outbox.get(timeout=600) != "ready":
+            raise RuntimeError("the VAE worker did not start")
+
+    def new_session(self) -> None:
+        self.drain()
+        self.results = []
+        self.inbox.put(("reset",))
+
+    def submit(self, video: torch.Tensor, audio: torch.Tensor) -> None:
+        while self.in_flight >= self.window:  # the DiT may run at most `window` phases ahead of delivered chunks
+            self._take()
+        self.inbox.put(("phase", video, audio))
+        self.in_flight += 1
+
+    def drain(self) -> list[dict]:
+        while self.in_flight:
+            self._take()
+        return self.results
+
+    def _take(self) -> None:
+        result = self.outbox.get(timeout=600)
+        self.results.append(result)
+        self.in_flight -= 1
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.process.join(timeout=60)
+
+
+def warmup(opts, encoder, runtime, vae: VAEStage) -> float:
+    """One phase of a throw-away session through the DiT and the VAE, as the services do before SERVING."""
     started = time.perf_counter()
     text = encoder.encode_bytes(prompt_text(99, opts.prompt_tokens))
     session = runtime.open_session(SessionConfig(seed=1, width=opts.width, height=opts.height),
@@ -160,32 +231,29 @@ def warmup(opts, device, encoder, runtime, video_dec, audio_dec) -> float:
         out = session.next_phase()
     finally:
         session.close()
-    vdec, adec = IncrementalVideoDecoder(video_dec), IncrementalAudioDecoder(audio_dec)
-    vdec.decode(out.video.to(video_dec.device))
-    adec.decode(out.audio.to(audio_dec.device))
-    sync(device)
+    vae.new_session()
+    vae.submit(out.video, out.audio)
+    vae.drain()
     return time.perf_counter() - started
 
 
-def run_session(opts, device, encoder, runtime, video_dec, audio_dec, flops: FlopCounter, max_phases: int = 0):
-    """Stream opts.requests requests with a new prompt each (or only `max_phases` phases); returns per-phase
-    records and the time to the first muxed chunk."""
-    records, t_open = [], time.perf_counter()
+def run_session(opts, device, encoder, runtime, vae: VAEStage, flops: FlopCounter, max_phases: int = 0):
+    """Stream opts.requests requests with a new prompt each (or only `max_phases` phases), the VAE pipelined.
+
+    Returns per-phase records (DiT and VAE stage seconds, delivery time, GPU memory after each request) and the
+    time from opening the session to the first delivered chunk.
+    """
+    records, t_open = [], time.monotonic()
+    vae.new_session()
     first = encoder.encode_bytes(prompt_text(0, opts.prompt_tokens))
     session = runtime.open_session(SessionConfig(seed=8301, width=opts.width, height=opts.height),
                                    PromptUpdate(first.float(), "p0"))
-    vdec, adec = IncrementalVideoDecoder(video_dec), IncrementalAudioDecoder(audio_dec)
-    mux = FragmentedMP4Muxer(opts.width, opts.height, fps=24, sample_rate=32000)
-    ttfc = None
     try:
         for k in range(opts.requests):
             for p in range(4):
                 rec = {"request": k, "phase": p}
                 if p == 1 and k + 1 < opts.requests:  # the next request's prompt arrives mid-request
-                    t0 = time.perf_counter()
                     text = encoder.encode_bytes(prompt_text(k + 1, opts.prompt_tokens))
-                    sync(device)
-                    rec["text"] = time.perf_counter() - t0
                     session.submit_prompt(PromptUpdate(text.float(), f"p{k + 1}"))
                 t0 = time.perf_counter()
                 out = session.next_phase()
@@ -194,27 +262,60 @@ def run_session(opts, device, encoder, runtime, video_dec, audio_dec, flops: Flo
                 rec.update(dit=t1 - t0, teacher=out.meta.timings.teacher_s, student=out.meta.timings.student_s,
                            commit=out.meta.timings.commit_s, frames=out.meta.num_frames)
                 rec["linear_flops"], rec["attn_flops"] = flops.take()
-                v, a = transport(out.video, "video"), transport(out.audio, "audio")
-                t2 = time.perf_counter()
-                frames = vdec.decode(v.to(device))
-                sync(device)
-                t3 = time.perf_counter()
-                samples = adec.decode(a.to(device))
-                t4 = time.perf_counter()
-                data = mux.encode(frames.numpy(), samples.numpy())
-                t5 = time.perf_counter()
-                rec.update(transport=t2 - t1, video_decode=t3 - t2, audio_decode=t4 - t3, mux=t5 - t4,
-                           bytes=len(data))
-                if ttfc is None:
-                    ttfc = t5 - t_open
+                video, audio = transport(out.video, "video"), transport(out.audio, "audio")
+                rec["transport"] = time.perf_counter() - t1
+                vae.submit(video, audio)
                 records.append(rec)
                 if max_phases and len(records) >= max_phases:
-                    return records, ttfc
-                log.info("request %d phase %d: dit %.3f s (teacher %.3f) vae %.3f s mux %.3f s", k, p,
-                         rec["dit"], rec["teacher"], t4 - t2, t5 - t4)
+                    break
+            else:
+                records[-1]["memory"] = gpu_memory_in_use()
+                log.info("request %d: dit %.3f s", k, sum(r["dit"] for r in records[-4:]))
+                continue
+            break
     finally:
         session.close()
-    return records, ttfc
+    for rec, result in zip(records, vae.drain()):
+        rec.update(result)
+    return records, records[0]["delivered"] - t_open
+
+
+def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
+    lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
+             f"adaln_cache={opts.adaln_cache}, attention={opts.attention}, GPUs={gpus}; VAE + mux in their own "
+             f"process on {opts.devices.split(',')[-1]}, pipelined with a window of {opts.window} phases",
+             f"start-up (build on device + warm-up phase): {startup:.1f} s",
+             f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
+             f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
+             "delivered = time between the last chunk of the request before and this request's last chunk; "
+             "RTF = delivered / media seconds", "",
+             "req |   DiT s | teacher | student | commit | transport | vdecode | adecode |  mux | delivered s | RTF "
+             "| PFLOP | floor s | DiT/floor | GiB in use per GPU"]
+    stages = ("dit", "teacher", "student", "commit", "transport", "video_decode", "audio_decode", "mux")
+    previous = records[0]["delivered"] - ttfc  # the session's start
+    for k in range(opts.requests):
+        rs = [r for r in records if r["request"] == k]
+        tot = {s: sum(r[s] for r in rs) for s in stages}
+        media = sum(r["frames"] for r in rs) / 24
+        delivered = rs[-1]["delivered"] - previous
+        previous = rs[-1]["delivered"]
+        lin, att = sum(r["linear_flops"] for r in rs), sum(r["attn_flops"] for r in rs)
+        floor = floor_seconds(lin, att, gpus, opts.fp8)
+        memory = " / ".join(f"{b / 2**30:.1f}" for b in rs[-1].get("memory", {}).values()) or "-"
+        lines.append(f"{k:3d} | {tot['dit']:7.3f} | {tot['teacher']:7.3f} | {tot['student']:7.3f} | "
+                     f"{tot['commit']:6.3f} | {tot['transport']:9.3f} | {tot['video_decode']:7.3f} | "
+                     f"{tot['audio_decode']:7.3f} | {tot['mux']:4.3f} | {delivered:11.3f} | {delivered / media:.2f} | "
+                     f"{(lin + att) / 1e15:5.2f} | {floor:7.3f} | {tot['dit'] / floor:9.2f} | {memory}")
+    if opts.requests > 1:
+        steady = [r for r in records if r["request"] >= 1]
+        media = sum(r["frames"] for r in steady) / 24
+        span = steady[-1]["delivered"] - records[3]["delivered"]
+        lines.append(f"steady state (requests 1..{opts.requests - 1}): {span:.2f} s for {media:.2f} s of media, "
+                     f"RTF {span / media:.3f}")
+    if torch.cuda.is_available():
+        lines.append(f"peak GPU memory of this process: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
+                     f"allocated, {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
+    return "\n".join(lines)
 
 
 def baseline(opts, device, model: DiT) -> dict:
@@ -274,33 +375,6 @@ def baseline(opts, device, model: DiT) -> dict:
     return {"rows": real, "ours_s": ours, "diffusers_s": theirs}
 
 
-def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
-    lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
-             f"adaln_cache={opts.adaln_cache}, attention={opts.attention}, GPUs={gpus}",
-             f"start-up (build on device + warm-up phase): {startup:.1f} s",
-             f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session after "
-             f"start-up), {warm_ttfc:.3f} s (warm: a second session)", "",
-             "req |   DiT s | teacher | student | commit | transport | vdecode | adecode |  mux | serial s | RTF "
-             "| pipelined RTF | PFLOP | floor s | DiT/floor"]
-    stages = ("dit", "teacher", "student", "commit", "transport", "video_decode", "audio_decode", "mux")
-    for k in range(opts.requests):
-        rs = [r for r in records if r["request"] == k]
-        tot = {s: sum(r[s] for r in rs) for s in stages}
-        serial = sum(tot[s] for s in ("dit", "transport", "video_decode", "audio_decode", "mux"))
-        media = sum(r["frames"] for r in rs) / 24
-        pipelined = max(tot["dit"], tot["transport"] + tot["video_decode"] + tot["audio_decode"] + tot["mux"])
-        lin, att = sum(r["linear_flops"] for r in rs), sum(r["attn_flops"] for r in rs)
-        floor = floor_seconds(lin, att, gpus, opts.fp8)
-        lines.append(f"{k:3d} | {tot['dit']:7.3f} | {tot['teacher']:7.3f} | {tot['student']:7.3f} | "
-                     f"{tot['commit']:6.3f} | {tot['transport']:9.3f} | {tot['video_decode']:7.3f} | "
-                     f"{tot['audio_decode']:7.3f} | {tot['mux']:4.3f} | {serial:8.3f} | {serial / media:.2f} | "
-                     f"{pipelined / media:13.2f} | {(lin + att) / 1e15:5.2f} | {floor:7.3f} | {tot['dit'] / floor:.2f}")
-    if torch.cuda.is_available():
-        lines.append(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated, "
-                     f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="full", choices=sorted(PRESETS))
@@ -316,27 +390,30 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="also time diffusers' forward (CUDA only)")
     parser.add_argument("--attention", default="default", choices=sorted(ATTENTION_BACKENDS),
                         help="preferred torch SDPA kernel for the session")
+    parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,
+                        help="phases the DiT may run ahead of delivered chunks (the services' dit.max_phases_ahead)")
     opts = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(opts.devices.split(",")[0])
     torch.manual_seed(0)
-    with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS[opts.attention], set_priority=True):
-        profile, encoder, runtime, video, audio, startup = build(opts)
-        startup += warmup(opts, device, encoder, runtime, video, audio)
-        flops = FlopCounter(runtime.model.args, lora_rank(runtime.model))
-        runtime.model.register_forward_pre_hook(flops.hook, with_kwargs=True)
-        records, ttfc = run_session(opts, device, encoder, runtime, video, audio, flops)
-        in_use = gpu_memory_in_use()
-        _, warm_ttfc = run_session(opts, device, encoder, runtime, video, audio, flops, max_phases=1)
-    del encoder, video, audio
+    vae = VAEStage(opts, opts.window)  # first: a spawned process must not inherit a CUDA context
+    try:
+        with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS[opts.attention], set_priority=True):
+            profile, encoder, runtime, startup = build(opts)
+            startup += warmup(opts, encoder, runtime, vae)
+            flops = FlopCounter(runtime.model.args, lora_rank(runtime.model))
+            runtime.model.register_forward_pre_hook(flops.hook, with_kwargs=True)
+            records, ttfc = run_session(opts, device, encoder, runtime, vae, flops)
+            _, warm_ttfc = run_session(opts, device, encoder, runtime, vae, flops, max_phases=1)
+    finally:
+        vae.stop()
+    del encoder
     if isinstance(runtime, DiTGroup):
         runtime.shutdown()
     gpus = profile.dit.usp_degree
     del runtime
     gc.collect()
     print(summarize(opts, records, ttfc, warm_ttfc, startup, gpus=gpus), flush=True)
-    for name, used in in_use.items():
-        print(f"{name}: {used / 2**30:.1f} GiB in use by every process at the end of the session", flush=True)
     base = None
     if opts.baseline:  # one GPU, a fresh DiT built like the profile's (FP8, AdaLN cache, LoRA)
         torch.cuda.empty_cache()
