@@ -281,7 +281,8 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage, flops: FlopCounte
                     break
             else:
                 records[-1]["memory"] = gpu_memory_in_use()
-                log.info("request %d: dit %.3f s", k, sum(r["dit"] for r in records[-4:]))
+                log.info("request %d: dit %.3f s, GiB in use per GPU %s", k, sum(r["dit"] for r in records[-4:]),
+                         [round(b / 2**30, 1) for b in records[-1]["memory"].values()])
                 continue
             break
     finally:
