@@ -4,8 +4,8 @@ Runs the whole generation path with random weights built on the devices (no file
 services run it: text encoder and DiT streaming runtime (LoRA student, audio teacher, clean commit; one rank here,
 the others in the DiT group's processes) in this process; incremental video/audio decode and the fMP4 muxer in a
 separate VAE process on the last device, fed through a queue with the DiT at most `dit.max_phases_ahead` phases
-ahead of delivered chunks (the services' credit window). So the VAE shares its GPU(s) with DiT ranks exactly as
-in the usp2 profile, and the real-time factor is measured, not added up. A new prompt every request; the latents'
+ahead of delivered chunks (the services' credit window). So the VAE shares its GPU with a DiT rank exactly as in
+the usp2 profile, and the real-time factor is measured, not added up. A new prompt every request; the latents'
 host-bytes transport encoded and decoded as between processes. Prints per-request stage times, the interval
 between delivered chunks and its real-time factor, time to first chunk (cold and warm), GPU memory after every
 request, start-up time, the FLOP count and floor of each request, and (with --baseline) the same DiT phase forward
@@ -35,8 +35,7 @@ from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
 from services.encoder.model import TextEncoder
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
-from services.vae.fp8 import quantize_video_decoder
-from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae, replicate_vae
+from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
 from services.vae.mux import FragmentedMP4Muxer
 
 log = logging.getLogger("services.bench")
@@ -157,18 +156,13 @@ def vae_worker(opts, inbox, outbox) -> None:
     Messages in: ("phase", video [F, C, h, w], audio [2, A, 32]), ("reset",) before a new session, None to stop.
     Out: "ready" once built, then per phase a dict of stage seconds and the monotonic time its chunk was muxed.
     """
-    devices = vae_devices(opts)
-    device = torch.device(devices[0])
+    device = torch.device(opts.devices.split(",")[-1])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     with torch.inference_mode():
-        video_vae = build_video_vae(opts.preset).to(device, dtype).eval()
-        if opts.vae_fp8:
-            quantize_video_decoder(video_vae)
-        replicas = replicate_vae(video_vae, devices[1:])
-        vdec = IncrementalVideoDecoder(VideoDecoder(video_vae, replicas=replicas))
+        vdec = IncrementalVideoDecoder(VideoDecoder(build_video_vae(opts.preset).to(device, dtype).eval()))
         adec = IncrementalAudioDecoder(AudioDecoder(build_audio_vae(opts.preset).to(device).eval()))
         mux = None
         outbox.put("ready")
@@ -187,11 +181,6 @@ def vae_worker(opts, inbox, outbox) -> None:
             data = mux.encode(frames.numpy(), samples.numpy())
             outbox.put(dict(video_decode=t1 - t0, audio_decode=t2 - t1, mux=time.perf_counter() - t2,
                             bytes=len(data), delivered=time.monotonic()))
-
-
-def vae_devices(opts) -> list[str]:
-    """The VAE's device (first) and the devices of its video decoder copies: --vae-devices, else the last DiT's."""
-    return opts.vae_devices.split(",") if opts.vae_devices else [opts.devices.split(",")[-1]]
 
 
 class VAEStage:
@@ -295,8 +284,7 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage, flops: FlopCounte
 def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
              f"adaln_cache={opts.adaln_cache}, attention={opts.attention}, GPUs={gpus}; VAE + mux in their own "
-             f"process, video decode on {vae_devices(opts)} (fp8={opts.vae_fp8}), pipelined with a window of "
-             f"{opts.window} phases",
+             f"process on {opts.devices.split(',')[-1]}, pipelined with a window of {opts.window} phases",
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
              f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
@@ -403,10 +391,6 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="also time diffusers' forward (CUDA only)")
     parser.add_argument("--attention", default="default", choices=sorted(ATTENTION_BACKENDS),
                         help="preferred torch SDPA kernel for the session")
-    parser.add_argument("--vae-devices", default="",
-                        help="comma-separated: the VAE's device, then devices whose video decoder copy takes an "
-                             "equal share of the tiles (default: the last DiT device alone)")
-    parser.add_argument("--vae-fp8", action="store_true", help="FP8 ViT block linears in the video decoder")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,
                         help="phases the DiT may run ahead of delivered chunks (the services' dit.max_phases_ahead)")
     opts = parser.parse_args()

@@ -118,17 +118,9 @@ class VAEConfig:
     """Port of the Prometheus /metrics endpoint (0 disables it)."""
     fp8: bool = False
     """FP8 (e4m3) ViT block linears in the video decoder (first and last block kept); CUDA cc >= 8.9 only."""
-    decoder_devices: tuple[str, ...] = ()
-    """Other devices that each hold a copy of the video decoder and take an equal share of every phase's tiles
-    (usp2: the other GPU, so the decode is split like the DiT's work)."""
 
     def __post_init__(self):
         _check_dtype("vae.dtype", self.dtype)
-        object.__setattr__(self, "decoder_devices", tuple(self.decoder_devices))
-        kinds = {d.split(":")[0] for d in (self.device, *self.decoder_devices)}
-        if len(kinds) != 1 or len(set(self.decoder_devices) | {self.device}) != 1 + len(self.decoder_devices):
-            raise ValueError(f"vae.decoder_devices={list(self.decoder_devices)}: must be distinct devices of the "
-                             f"same type as vae.device={self.device!r}, without it")
         if not isinstance(self.fp8, bool):
             raise ValueError(f"vae.fp8={self.fp8!r}: must be true or false")
         if self.fp8 and not self.device.startswith("cuda"):

@@ -30,7 +30,7 @@ from diffusers import AutoencoderKLMiniMaxH3
 
 from services.vae.fp8 import quantize_video_decoder
 from services.vae.incremental import IncrementalVideoDecoder
-from services.vae.model import _IMAGENET_MEAN, _IMAGENET_STD, VideoDecoder, build_video_vae, replicate_vae
+from services.vae.model import _IMAGENET_MEAN, _IMAGENET_STD, VideoDecoder, build_video_vae
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +166,6 @@ def run(opts: argparse.Namespace) -> list[str]:
                          f"{(compiled - new_later).abs().max().item():.3e}")
     if opts.fp8:
         lines.append(_time_fp8(opts, vae, inc, first, later, new_later, timings))
-    if opts.replicas:
-        lines.append(_time_split(opts, vae, first, later, timings))
     lines += [t.line() for t in timings]
     return lines
 
@@ -187,23 +185,6 @@ def _time_fp8(opts: argparse.Namespace, vae: AutoencoderKLMiniMaxH3, inc: Increm
             f"{report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB): max |diff| "
             f"{diff.max().item():.3e}, mean {diff.mean().item():.3e} (RGB in [0, 1]); uint8 values that differ: "
             f"{mismatch:.4%}")
-
-
-def _time_split(opts: argparse.Namespace, vae: AutoencoderKLMiniMaxH3, first: torch.Tensor, later: torch.Tensor,
-                timings: list[Timing]) -> str:
-    """Copy `vae` as it is now (FP8 too) to `--replicas`, share every phase's tiles, time the later phase."""
-    devices = opts.replicas.split(",")
-    single = IncrementalVideoDecoder(VideoDecoder(vae, max_batch=opts.max_batch))
-    single.decode_pixels(first)
-    want = single.decode_pixels(later)
-    split = IncrementalVideoDecoder(VideoDecoder(vae, max_batch=opts.max_batch,
-                                                 replicas=replicate_vae(vae, devices)))
-    split.decode_pixels(first)
-    got = split.decode_pixels(later)
-    median, peak = time_ms(lambda: split.decode_pixels(later), torch.device(opts.device), opts.repeats, opts.warmup)
-    timings.append(Timing("new+split", "later (10 latents)", want.shape[0], median, peak))
-    return (f"new+split: tiles shared between {opts.device} and {devices}; max |diff| against one device "
-            f"{(got - want).abs().max().item():.3e}")
 
 
 def main() -> None:
@@ -227,9 +208,6 @@ def main() -> None:
     parser.add_argument("--fp8-keep", type=int, default=1,
                         help="with --fp8: blocks kept unquantised at each end of the ViT (the tiny preset has 2 "
                              "blocks, so use 0 there to exercise the FP8 path)")
-    parser.add_argument("--replicas", default="",
-                        help="comma-separated devices: last, time the decode with the tiles shared between "
-                             "--device and copies of the VAE there (after --fp8, if given)")
     opts = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for line in run(opts):

@@ -17,9 +17,6 @@ equals the diffusers decode up to GEMM reassociation across batch sizes (see ser
 """
 from __future__ import annotations
 
-import copy
-from typing import Sequence
-
 import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.models.modeling_utils import get_parameter_dtype
@@ -109,8 +106,7 @@ def build_audio_vae(preset: str) -> AutoencoderKLMiniMaxH3Audio:
 class VideoDecoder:
     """Normalised video latents `[F, 24, h, w]` -> RGB frames; every tile of every clip in one batched ViT call."""
 
-    def __init__(self, vae: AutoencoderKLMiniMaxH3, max_batch: int = 64,
-                 replicas: Sequence[AutoencoderKLMiniMaxH3] = ()) -> None:
+    def __init__(self, vae: AutoencoderKLMiniMaxH3, max_batch: int = 64) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch (tiles per ViT call) must be a positive int, got {max_batch!r}")
         self.vae = vae.eval()
@@ -118,9 +114,6 @@ class VideoDecoder:
         """Most (clip, tile) pairs per ViT call; a 480x864 phase (2 clips x 15 tiles) is one call."""
         param = next(vae.parameters())
         self.device = param.device
-        self.replicas = [r.eval() for r in replicas]
-        """Copies of `vae` on other devices (`replicate_vae`): each ViT call's tiles are shared evenly between
-        `vae` and them, so a phase's decode runs on every device at once."""
         stats = dict(device=self.device, dtype=torch.float32)
         # mean/std: [1, C, 1, 1, 1] for the [B, C, F, h, w] diffusers layout.
         self._mean = torch.tensor(vae.config.latents_mean, **stats).view(1, -1, 1, 1, 1)
@@ -185,7 +178,7 @@ class VideoDecoder:
         # tiles: [K * T, C, 7, th, tw], clip-major; tile (i, j) is row-major over the (ys, xs) grid.
         tiles = torch.stack([clips[..., y // ratio:y // ratio + th, x // ratio:x // ratio + tw]
                              for y in ys for x in xs], dim=1).flatten(0, 1)
-        parts = [self._decode_tiles(part) for part in tiles.split(self.max_batch)]
+        parts = [vae.decoder(vae.post_quant_conv(part)) for part in tiles.split(self.max_batch)]
         decoded = parts[0] if len(parts) == 1 else torch.cat(parts)
         decoded = decoded.unflatten(0, (num_clips, len(ys) * len(xs)))  # [K, T, 3, 28, tile_h, tile_w]
         rows = [[decoded[:, i * len(xs) + j] for j in range(len(xs))] for i in range(len(ys))]
@@ -202,16 +195,6 @@ class VideoDecoder:
             pieces += vae._blend(tails[:-1], heads[1:], vae.frame_overlap, dim=-3).unbind(0)
         return torch.cat([*pieces, tails[-1]], dim=1)
 
-    def _decode_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
-        """post_quant_conv + ViT over a batch of tiles, shared evenly between the VAE and its replicas."""
-        # tiles: [B, C, 7, th, tw] -> [B, 3, 28, tile_h, tile_w] on self.device
-        models = [self.vae, *self.replicas]
-        shares = [(m, share) for m, share in zip(models, tiles.tensor_split(len(models))) if share.shape[0]]
-        # Every share is queued before any result is read, so the devices decode at the same time.
-        outs = [m.decoder(m.post_quant_conv(share.to(m.post_quant_conv.weight.device, non_blocking=True)))
-                for m, share in shares]
-        return outs[0] if len(outs) == 1 else torch.cat([o.to(self.device) for o in outs])
-
     @torch.inference_mode()
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode normalised latents `[F, 24, h, w]` to float RGB `[N, H, W, 3]` in [0, 1]."""
@@ -226,12 +209,6 @@ class VideoDecoder:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode normalised latents `[F, 24, h, w]` to uint8 frames `[N, H, W, 3]` on the CPU."""
         return to_uint8(self.decode_pixels(latents))
-
-
-def replicate_vae(vae: AutoencoderKLMiniMaxH3, devices: Sequence[str | torch.device]
-                  ) -> list[AutoencoderKLMiniMaxH3]:
-    """Copies of `vae` (weights, dtypes and any FP8 layers as they are) on `devices`, for `VideoDecoder(replicas=)`."""
-    return [copy.deepcopy(vae).to(device) for device in devices]
 
 
 def to_uint8(rgb: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from services.common.grpc_server import Stage
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.vae.fp8 import quantize_video_decoder, require_fp8_device
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
-from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, replicate_vae
+from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder
 from services.vae.mux import FragmentedMP4Muxer
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,9 @@ class VAEService(Stage):
         video_vae = load_video_vae(root, cfg.device, dtype)
         if cfg.fp8:
             quantize_video_decoder(video_vae)  # logs what it quantised
-        self.video = VideoDecoder(video_vae, replicas=replicate_vae(video_vae, cfg.decoder_devices))
+        self.video = VideoDecoder(video_vae)
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
-        log.info("VAE loaded on %s (%s, fp8=%s), video decoder copies on %s", cfg.device, cfg.dtype, cfg.fp8,
-                 list(cfg.decoder_devices))
+        log.info("VAE loaded on %s (%s, fp8=%s)", cfg.device, cfg.dtype, cfg.fp8)
 
     def warmup(self) -> None:
         """Decode one short phase so kernels and the encoders are ready."""

@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from services.common.config import DiTConfig, ModelConfig, VAEConfig, load_profile
+from services.common.config import DiTConfig, ModelConfig, load_profile
 
 pytestmark = pytest.mark.cpu
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,10 +30,3 @@ def test_bad_values_are_named():
         DiTConfig(devices=("cuda:0", "cuda:1", "cuda:2"))
     with pytest.raises(ValueError, match="entry 200"):
         DiTConfig(canvas_short_edges=(200,))
-
-
-def test_vae_decoder_devices_are_validated():
-    assert VAEConfig(device="cuda:1", decoder_devices=["cuda:0"]).decoder_devices == ("cuda:0",)
-    for bad in (["cuda:1"], ["cuda:0", "cuda:0"], ["cpu"]):
-        with pytest.raises(ValueError, match="vae.decoder_devices"):
-            VAEConfig(device="cuda:1", decoder_devices=bad)

@@ -8,8 +8,7 @@ import pytest
 @pytest.mark.cpu
 def test_bench_runs_on_the_tiny_preset():
     run = subprocess.run([sys.executable, "-m", "services.bench", "--preset", "tiny", "--devices", "cpu",
-                          "--width", "320", "--height", "192", "--requests", "2", "--prompt-tokens", "40",
-                          "--vae-devices", "cpu,cpu"],
+                          "--width", "320", "--height", "192", "--requests", "2", "--prompt-tokens", "40"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout

@@ -123,10 +123,9 @@ def test_config_and_service_refuse_fp8_without_cuda_fp8(tmp_path):
     assert service.video is None
 
 
-def test_bench_decode_fp8_and_split_smoke():
+def test_bench_decode_fp8_smoke():
     cmd = [sys.executable, "-m", "services.vae.bench_decode", "--preset", "tiny", "--device", "cpu",
-           "--height", "192", "--width", "320", "--repeats", "1", "--warmup", "0", "--fp8", "--fp8-keep", "0",
-           "--replicas", "cpu"]
+           "--height", "192", "--width", "320", "--repeats", "1", "--warmup", "0", "--fp8", "--fp8-keep", "0"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("new+fp8 vs new"))
@@ -134,5 +133,3 @@ def test_bench_decode_fp8_and_split_smoke():
     max_diff = float(line.split("max |diff| ")[1].split(",")[0])
     assert 0 < max_diff < 5e-2
     assert any(line.startswith("later (10 latents)") and " new+fp8 " in line for line in out.stdout.splitlines())
-    split = next(line for line in out.stdout.splitlines() if line.startswith("new+split"))
-    assert float(split.rsplit(" ", 1)[1]) < 1e-5  # a copy of the (FP8) VAE decodes its share identically

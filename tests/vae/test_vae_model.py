@@ -15,7 +15,6 @@ from services.vae.model import (
     InvalidLatents,
     VideoDecoder,
     build_video_vae,
-    replicate_vae,
 )
 
 pytestmark = pytest.mark.cpu
@@ -94,27 +93,6 @@ def test_batched_tiles_match_diffusers_tiled_decode(ckpt, num_latents, frames):
     # The seams matter: without tiling the same latents decode visibly differently.
     vae.disable_tiling()
     assert (VideoDecoder(vae).decode_pixels(z) - ref).abs().max() > 1e-3
-
-
-def test_replicas_share_the_tiles_and_give_the_same_frames(ckpt):
-    """A decoder split over copies decodes every tile once, each copy its own share, with the same result."""
-    vae = load_video_vae(ckpt)
-    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64,
-                      tile_sample_min_overlap_height=32, tile_sample_min_overlap_width=32)
-    z = torch.randn(12, 24, 9, 11, generator=torch.Generator().manual_seed(4))
-    ref = VideoDecoder(vae).decode_pixels(z)
-    copies = replicate_vae(vae, ["cpu", "cpu"])
-    assert all(c is not vae and c.decoder is not vae.decoder for c in copies)
-    seen = []
-    for c in copies:
-        c.decoder.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
-    split = VideoDecoder(vae, replicas=copies).decode_pixels(z)
-    assert seen == [13, 13]  # 2 clips x 20 tiles = 40: shares 14 (the VAE) + 13 + 13
-    assert (split - ref).abs().max() < 1e-5
-    # the copies' outputs are what lands in the frames: a broken copy shows
-    with torch.no_grad():
-        copies[1].decoder.proj_out.weight.mul_(0.5)
-    assert (VideoDecoder(vae, replicas=copies).decode_pixels(z) - ref).abs().max() > 1e-3
 
 
 def test_max_batch_is_validated(video):
