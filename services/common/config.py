@@ -116,16 +116,9 @@ class VAEConfig:
     """libx264 preset of the muxer."""
     metrics_port: int = 9103
     """Port of the Prometheus /metrics endpoint (0 disables it)."""
-    fp8: bool = False
-    """FP8 (e4m3) ViT block linears in the video decoder (first and last block kept); CUDA cc >= 8.9 only."""
 
     def __post_init__(self):
         _check_dtype("vae.dtype", self.dtype)
-        if not isinstance(self.fp8, bool):
-            raise ValueError(f"vae.fp8={self.fp8!r}: must be true or false")
-        if self.fp8 and not self.device.startswith("cuda"):
-            raise ValueError(f"vae.fp8=true with vae.device={self.device!r}: FP8 GEMMs need a CUDA device of "
-                             "compute capability >= 8.9; set vae.fp8: false or vae.device: cuda")
 
 
 @dataclass(frozen=True)

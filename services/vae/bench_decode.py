@@ -8,8 +8,7 @@ stream: the 12-latent first phase (39 frames) and a 10-latent later phase (2 car
 - old: `AutoencoderKLMiniMaxH3.decode` (one ViT call per spatial tile per 17-frame clip) + the wrapper's
   post-processing, which is what `VideoDecoder.decode_pixels` did before batching;
 - new: `VideoDecoder.decode_pixels` / `IncrementalVideoDecoder.decode_pixels` (all tiles of all clips in one batch);
-- new+uint8: `IncrementalVideoDecoder.decode`, i.e. also quantised and copied to the host;
-- new+fp8 (`--fp8`): the new path after `services.vae.fp8.quantize_video_decoder`, with its error against `new`.
+- new+uint8: `IncrementalVideoDecoder.decode`, i.e. also quantised and copied to the host.
 
 Timings are the median of `--repeats` runs after `--warmup` runs (CUDA events on a GPU, wall clock on the CPU).
 
@@ -28,7 +27,6 @@ from typing import Callable
 import torch
 from diffusers import AutoencoderKLMiniMaxH3
 
-from services.vae.fp8 import quantize_video_decoder
 from services.vae.incremental import IncrementalVideoDecoder
 from services.vae.model import _IMAGENET_MEAN, _IMAGENET_STD, VideoDecoder, build_video_vae
 
@@ -164,27 +162,8 @@ def run(opts: argparse.Namespace) -> list[str]:
             timings.append(Timing("new+compile", "later (10 latents)", new_later.shape[0], median, peak))
             lines.append(f"new+compile vs new, later phase: max |diff| "
                          f"{(compiled - new_later).abs().max().item():.3e}")
-    if opts.fp8:
-        lines.append(_time_fp8(opts, vae, inc, first, later, new_later, timings))
     lines += [t.line() for t in timings]
     return lines
-
-
-def _time_fp8(opts: argparse.Namespace, vae: AutoencoderKLMiniMaxH3, inc: IncrementalVideoDecoder,
-              first: torch.Tensor, later: torch.Tensor, new_later: torch.Tensor, timings: list[Timing]) -> str:
-    """Quantise the ViT block linears of `vae` in place, time the later phase again, return the error line."""
-    report = quantize_video_decoder(vae, keep_first=opts.fp8_keep, keep_last=opts.fp8_keep)
-    inc.reset()
-    inc.decode_pixels(first)
-    got = inc.decode_pixels(later)  # same carried context as new_later
-    median, peak = time_ms(lambda: inc.decode_pixels(later), torch.device(opts.device), opts.repeats, opts.warmup)
-    timings.append(Timing("new+fp8", "later (10 latents)", new_later.shape[0], median, peak))
-    diff = (got - new_later).abs()
-    mismatch = ((got * 255).round() != (new_later * 255).round()).float().mean().item()
-    return (f"new+fp8 vs new, later phase ({len(report.quantized)} ViT linears in FP8, {len(report.kept)} kept, "
-            f"{report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB): max |diff| "
-            f"{diff.max().item():.3e}, mean {diff.mean().item():.3e} (RGB in [0, 1]); uint8 values that differ: "
-            f"{mismatch:.4%}")
 
 
 def main() -> None:
@@ -202,12 +181,6 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time the new path with the ViT blocks torch.compile'd (diffusers' "
                              "compile_repeated_blocks)")
-    parser.add_argument("--fp8", action="store_true",
-                        help="then quantise the ViT block linears to FP8 (services.vae.fp8) and time the later "
-                             "phase again (after --compile, if given)")
-    parser.add_argument("--fp8-keep", type=int, default=1,
-                        help="with --fp8: blocks kept unquantised at each end of the ViT (the tiny preset has 2 "
-                             "blocks, so use 0 there to exercise the FP8 path)")
     opts = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for line in run(opts):

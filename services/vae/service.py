@@ -17,7 +17,6 @@ from services.common.config import Profile
 from services.common.errors import InvalidInput, NotReady
 from services.common.grpc_server import Stage
 from services.vae.checkpoint import load_audio_vae, load_video_vae
-from services.vae.fp8 import quantize_video_decoder, require_fp8_device
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder
 from services.vae.mux import FragmentedMP4Muxer
@@ -97,14 +96,9 @@ class VAEService(Stage):
         cfg = self.profile.vae
         root = pathlib.Path(self.profile.model.dir) / "MiniMax-H3"
         dtype = getattr(torch, cfg.dtype)
-        if cfg.fp8:  # before loading: no FP8 GEMMs here would mean the slow dequantising reference path
-            require_fp8_device(torch.device(cfg.device))
-        video_vae = load_video_vae(root, cfg.device, dtype)
-        if cfg.fp8:
-            quantize_video_decoder(video_vae)  # logs what it quantised
-        self.video = VideoDecoder(video_vae)
+        self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype))
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
-        log.info("VAE loaded on %s (%s, fp8=%s)", cfg.device, cfg.dtype, cfg.fp8)
+        log.info("VAE loaded on %s (%s)", cfg.device, cfg.dtype)
 
     def warmup(self) -> None:
         """Decode one short phase so kernels and the encoders are ready."""
