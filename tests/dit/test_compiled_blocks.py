@@ -3,6 +3,7 @@
 On the CPU the regions run eager; here they are compiled on the CPU too (inductor, the same graphs the GPU gets
 apart from the kernels) and swapped into the model, so a recompile per block or a graph break fails the test.
 """
+import contextlib
 import dataclasses
 
 import pytest
@@ -36,6 +37,23 @@ def _forward(model, tv=12, a=6, tt=5, seed=5):
     return torch.cat([o.flatten() for o in out])
 
 
+REGIONS = ("attention_inputs", "residual_branches")
+PLAIN = {name: getattr(dit_model, name).eager for name in REGIONS}  # the uncompiled functions
+
+
+@contextlib.contextmanager
+def plain_regions():
+    """Run the model's block regions as their plain functions, whatever is installed."""
+    saved = {name: getattr(dit_model, name) for name in REGIONS}
+    for name in REGIONS:
+        setattr(dit_model, name, PLAIN[name])
+    try:
+        yield
+    finally:
+        for name in REGIONS:
+            setattr(dit_model, name, saved[name])
+
+
 @pytest.fixture
 def compiled_regions(monkeypatch):
     """Swap both block regions for their torch.compile'd versions (as on CUDA), on a fresh dynamo cache."""
@@ -43,9 +61,8 @@ def compiled_regions(monkeypatch):
     counters.clear()
     saved = fx_config.use_duck_shape, torch._dynamo.config.cache_size_limit
     fused.apply_compiler_settings()
-    for name in ("attention_inputs", "residual_branches"):
-        eager = getattr(dit_model, name).eager
-        monkeypatch.setattr(dit_model, name, torch.compile(eager, dynamic=True, fullgraph=True))
+    for name in REGIONS:
+        monkeypatch.setattr(dit_model, name, torch.compile(PLAIN[name], dynamic=True, fullgraph=True))
     yield
     fx_config.use_duck_shape, torch._dynamo.config.cache_size_limit = saved
     torch._dynamo.reset()
@@ -60,7 +77,7 @@ def test_compiled_regions_equal_eager_with_one_graph_per_region_kind(tmp_path, c
     for layer in model.modules():
         if hasattr(layer, "scaled_mm"):
             layer.backend = "reference"
-    with monkeypatch_eager():
+    with plain_regions():
         student_ref = _forward(model)
         with adapter.suspended():
             teacher_ref = _forward(model)
@@ -79,18 +96,6 @@ def test_compiled_regions_equal_eager_with_one_graph_per_region_kind(tmp_path, c
     # two regions x (FP8 block, plain block): 4 graphs serve all 6 blocks; the teacher adds LoRA-off variants only
     assert 2 <= graphs_student <= 4, graphs_student
     assert graphs_all <= 8, graphs_all
-
-
-class monkeypatch_eager:
-    """Run the model with the plain (eager) regions inside the block, whatever is installed."""
-
-    def __enter__(self):
-        self.saved = dit_model.attention_inputs, dit_model.residual_branches
-        dit_model.attention_inputs = dit_model.attention_inputs._torchdynamo_orig_callable
-        dit_model.residual_branches = dit_model.residual_branches._torchdynamo_orig_callable
-
-    def __exit__(self, *exc):
-        dit_model.attention_inputs, dit_model.residual_branches = self.saved
 
 
 @pytest.mark.cpu
@@ -139,18 +144,6 @@ def test_cuda_forward_compiled_equals_eager_in_bf16():
     torch._dynamo.reset()
     model = build_random(ARGS, "cuda", torch.bfloat16, seed=0)
     compiled = _forward(model)
-    with monkeypatch_plain():
+    with plain_regions():
         eager = _forward(model)
     assert relative_error(compiled, eager) < 2e-2
-
-
-class monkeypatch_plain:
-    """Run the model's block regions as their plain functions (`cuda_compiled(...).eager`)."""
-
-    def __enter__(self):
-        self.saved = dit_model.attention_inputs, dit_model.residual_branches
-        dit_model.attention_inputs = dit_model.attention_inputs.eager
-        dit_model.residual_branches = dit_model.residual_branches.eager
-
-    def __exit__(self, *exc):
-        dit_model.attention_inputs, dit_model.residual_branches = self.saved
