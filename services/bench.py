@@ -28,6 +28,7 @@ from peft.tuners.lora import LoraLayer
 from services.common.transport import TensorAssembler, tensor_to_parts
 from services.dit.api import PromptUpdate, SessionConfig
 from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
+from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.dit.group import DiTGroup
 from services.dit.lora import ADAPTER_NAME
 from services.dit.model import PRESETS, DiT, FullAttention, ModelArgs
@@ -170,7 +171,7 @@ def vae_worker(opts, inbox, outbox) -> None:
             if msg[0] == "reset":
                 vdec.reset()
                 adec.reset()
-                mux = FragmentedMP4Muxer(opts.width, opts.height, fps=24, sample_rate=32000)
+                mux = FragmentedMP4Muxer(opts.width, opts.height, fps=VIDEO_FPS, sample_rate=AUDIO_SAMPLE_RATE)
                 continue
             _, video, audio = msg
             t0 = time.perf_counter()

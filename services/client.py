@@ -26,6 +26,8 @@ from typing import Any
 
 import aiohttp
 
+from services.common.media import VIDEO_FPS
+
 logger = logging.getLogger("services.client")
 
 _UPDATE_RE = re.compile(r"^\s*(?P<at>\d+(?:\.\d+)?)\s*s?\s*:(?P<prompt>.+)$", re.DOTALL)
@@ -139,7 +141,7 @@ class _Run:
         self.result = ClientResult()
         self.pending_updates = sorted(options.updates, key=lambda u: u.at_s)
         self.stop_sent = False
-        self.fps = 24
+        self.fps = VIDEO_FPS
         self.t_start = 0.0
         self.t_first_chunk: float | None = None
         self.t_last = 0.0

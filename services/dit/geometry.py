@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from services.dit.api import InvalidCanvas
+from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 
-FPS = 24
+FPS = VIDEO_FPS
 AUDIO_LATENT_RATE = 40
 """Audio latents per second per channel (32 kHz / 800)."""
-AUDIO_SAMPLE_RATE = 32_000
 SAMPLES_PER_AUDIO_LATENT = AUDIO_SAMPLE_RATE // AUDIO_LATENT_RATE
 FRAMES_PER_CLIP = 17
 LATENTS_PER_CLIP = 5

@@ -35,10 +35,9 @@ from services.dit.runtime import StreamingSession
 from services.dit.service import DiTService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
+from services.common.media import AUDIO_SAMPLE_RATE
 
 log = logging.getLogger(__name__)
-
-AUDIO_SAMPLE_RATE = 32000
 
 
 class PhaseCredit:

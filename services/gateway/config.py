@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.media import VIDEO_FPS
+
 MiB = 1024 * 1024
 KiB = 1024
 
@@ -58,7 +60,7 @@ class GatewayConfig:
     default_canvas: tuple[int, int] = (480, 864)
     """(width, height) used when `session.start` names neither."""
 
-    fps: int = 24
+    fps: int = VIDEO_FPS
     """Frame rate of the served model; a `session.start` asking for another rate is rejected."""
 
     default_seed: int = 8301

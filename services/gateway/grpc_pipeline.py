@@ -48,11 +48,10 @@ from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
+from services.common.media import AUDIO_SAMPLE_RATE
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-AUDIO_SAMPLE_RATE = 32000
 
 
 def pipeline_error(stage: str, exc: grpc.RpcError) -> PipelineError:

@@ -18,6 +18,7 @@ import grpc
 from services.common import tracing
 from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
+from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
 from services.common.transport import MAX_PART_BYTES, TensorAssembler
 from services.vae.service import Chunk, VAEService
@@ -50,8 +51,8 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
             s = first.start
             session_span = tracing.continue_trace(tracing.metadata_traceparent(context.invocation_metadata()))
             with log_context(session_id=s.session_id or None, trace_id=session_span.trace_id):
-                session = await asyncio.to_thread(self.service.open, s.width, s.height, s.fps or 24,
-                                                  s.sample_rate or 32000)
+                session = await asyncio.to_thread(self.service.open, s.width, s.height, s.fps or VIDEO_FPS,
+                                                  s.sample_rate or AUDIO_SAMPLE_RATE)
                 log.info("decode session opened: %dx%d", s.width, s.height)
                 video_parts, audio_parts = TensorAssembler("video latents"), TensorAssembler("audio latents")
                 video = audio = None

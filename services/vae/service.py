@@ -16,14 +16,13 @@ import torch
 from services.common.config import Profile
 from services.common.errors import InvalidInput, NotReady
 from services.common.grpc_server import Stage
+from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder
 from services.vae.mux import FragmentedMP4Muxer
 
 log = logging.getLogger(__name__)
-
-SAMPLE_RATE = 32000
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ class VAEService(Stage):
     def warmup(self) -> None:
         """Decode one short phase so kernels and the encoders are ready."""
         ratio = self.video.spatial_ratio
-        session = self.open(4 * ratio, 4 * ratio, 24, SAMPLE_RATE)
+        session = self.open(4 * ratio, 4 * ratio, VIDEO_FPS, AUDIO_SAMPLE_RATE)
         session.phase(torch.zeros(12, self.video.vae.config.latent_channels, 4, 4),
                       torch.zeros(2, 65, self.audio.vae.config.latent_channels))
 
