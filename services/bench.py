@@ -27,7 +27,7 @@ from peft.tuners.lora import LoraLayer
 
 from services.common.transport import TensorAssembler, tensor_to_parts
 from services.dit.api import PromptUpdate, SessionConfig
-from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
+from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.dit.group import DiTGroup
 from services.dit.lora import ADAPTER_NAME
@@ -163,7 +163,8 @@ def vae_worker(opts, inbox, outbox) -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     with torch.inference_mode():
-        vdec = IncrementalVideoDecoder(VideoDecoder(build_video_vae(opts.preset).to(device, dtype).eval()))
+        vdec = IncrementalVideoDecoder(VideoDecoder(build_video_vae(opts.preset).to(device, dtype).eval(),
+                                                    tile_overlap=opts.tile_overlap))
         adec = IncrementalAudioDecoder(AudioDecoder(build_audio_vae(opts.preset).to(device).eval()))
         mux = None
         outbox.put("ready")
@@ -285,7 +286,8 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage, flops: FlopCounte
 def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
              f"adaln_cache={opts.adaln_cache}, attention={opts.attention}, GPUs={gpus}; VAE + mux in their own "
-             f"process on {opts.devices.split(',')[-1]}, pipelined with a window of {opts.window} phases",
+             f"process on {opts.devices.split(',')[-1]} (tiles overlap >= {opts.tile_overlap} px), pipelined with a "
+             f"window of {opts.window} phases",
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
              f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
@@ -392,6 +394,8 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="also time diffusers' forward (CUDA only)")
     parser.add_argument("--attention", default="default", choices=sorted(ATTENTION_BACKENDS),
                         help="preferred torch SDPA kernel for the session")
+    parser.add_argument("--tile-overlap", type=int, default=VAEConfig().tile_overlap_px,
+                        help="minimum overlap of the video decode tiles in px (vae.tile_overlap_px)")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,
                         help="phases the DiT may run ahead of delivered chunks (the services' dit.max_phases_ahead)")
     opts = parser.parse_args()

@@ -111,7 +111,7 @@ def run(opts: argparse.Namespace) -> list[str]:
     device = torch.device(opts.device)
     dtype = _DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     vae = build_random_vae(opts.preset, device, dtype, opts.seed)
-    decoder = VideoDecoder(vae, max_batch=opts.max_batch)
+    decoder = VideoDecoder(vae, max_batch=opts.max_batch, tile_overlap=opts.tile_overlap)
     ratio = decoder.spatial_ratio
     if opts.height % ratio or opts.width % ratio:
         raise ValueError(f"--height/--width must be multiples of {ratio}, got {opts.height}x{opts.width}")
@@ -178,6 +178,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tile-overlap", type=int, default=None,
+                        help="minimum tile overlap in px for both paths (default: the model's, 64 in the release)")
     parser.add_argument("--compile", action="store_true",
                         help="also time the new path with the ViT blocks torch.compile'd (diffusers' "
                              "compile_repeated_blocks)")

@@ -106,9 +106,15 @@ def build_audio_vae(preset: str) -> AutoencoderKLMiniMaxH3Audio:
 class VideoDecoder:
     """Normalised video latents `[F, 24, h, w]` -> RGB frames; every tile of every clip in one batched ViT call."""
 
-    def __init__(self, vae: AutoencoderKLMiniMaxH3, max_batch: int = 64) -> None:
+    def __init__(self, vae: AutoencoderKLMiniMaxH3, max_batch: int = 64, tile_overlap: int | None = None) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch (tiles per ViT call) must be a positive int, got {max_batch!r}")
+        if tile_overlap is not None:  # the minimum overlap of neighbouring tiles, in pixels (release: 64)
+            ratio, tile = vae.spatial_compression_ratio, min(vae.tile_sample_min_height, vae.tile_sample_min_width)
+            if not isinstance(tile_overlap, int) or tile_overlap < ratio or tile_overlap % ratio or tile_overlap >= tile:
+                raise ValueError(f"tile_overlap={tile_overlap!r}: must be a multiple of {ratio} px (tile edges stay "
+                                 f"on latents) from {ratio} to below the {tile} px tile")
+            vae.enable_tiling(tile_sample_min_overlap_height=tile_overlap, tile_sample_min_overlap_width=tile_overlap)
         self.vae = vae.eval()
         self.max_batch = max_batch
         """Most (clip, tile) pairs per ViT call; a 480x864 phase (2 clips x 15 tiles) is one call."""

@@ -95,7 +95,7 @@ class VAEService(Stage):
         cfg = self.profile.vae
         root = pathlib.Path(self.profile.model.dir) / "MiniMax-H3"
         dtype = getattr(torch, cfg.dtype)
-        self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype))
+        self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype), tile_overlap=cfg.tile_overlap_px)
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
         log.info("VAE loaded on %s (%s)", cfg.device, cfg.dtype)
 

@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from services.common.config import DiTConfig, ModelConfig, load_profile
+from services.common.config import DiTConfig, ModelConfig, VAEConfig, load_profile
 
 pytestmark = pytest.mark.cpu
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,3 +30,10 @@ def test_bad_values_are_named():
         DiTConfig(devices=("cuda:0", "cuda:1", "cuda:2"))
     with pytest.raises(ValueError, match="entry 200"):
         DiTConfig(canvas_short_edges=(200,))
+
+
+def test_vae_tile_overlap_is_validated():
+    assert VAEConfig(tile_overlap_px=32).tile_overlap_px == 32
+    for bad in (0, 24, 256, "32"):
+        with pytest.raises(ValueError, match="vae.tile_overlap_px"):
+            VAEConfig(tile_overlap_px=bad)

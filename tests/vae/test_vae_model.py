@@ -76,9 +76,8 @@ def test_batched_tiles_match_diffusers_tiled_decode(ckpt, num_latents, frames):
     # 64 px tiles with 32 px minimum overlap (the tiny net keeps the 16x patch): a 144 x 176 px canvas needs a 4 x 5
     # grid with uneven overlaps (48/32/32 and 48/32/32/32), so every seam kind of `_stitch_tiles` is exercised.
     vae = load_video_vae(ckpt)
-    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64,
-                      tile_sample_min_overlap_height=32, tile_sample_min_overlap_width=32)
-    decoder = VideoDecoder(vae)
+    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64)
+    decoder = VideoDecoder(vae, tile_overlap=32)
     ys, tile_h, y_overlaps, xs, tile_w, x_overlaps = decoder.tile_grid(144, 176)
     assert (ys, tile_h, y_overlaps) == ([0, 16, 48, 80], 64, [48, 32, 32])
     assert (xs, tile_w, x_overlaps) == ([0, 16, 48, 80, 112], 64, [48, 32, 32, 32])
@@ -93,6 +92,22 @@ def test_batched_tiles_match_diffusers_tiled_decode(ckpt, num_latents, frames):
     # The seams matter: without tiling the same latents decode visibly differently.
     vae.disable_tiling()
     assert (VideoDecoder(vae).decode_pixels(z) - ref).abs().max() > 1e-3
+
+
+def test_tile_overlap_sets_the_grid_of_the_full_decoder():
+    """At 480x864 the release's 64 px minimum overlap gives 3 x 5 tiles per clip, the realtime 32 px 2 x 4."""
+    with torch.device("meta"):
+        vae = build_video_vae("full")
+    grids = {}
+    for overlap in (64, 32):
+        ys, _, y_overlaps, xs, _, x_overlaps = VideoDecoder(vae, tile_overlap=overlap).tile_grid(480, 864)
+        assert vae.tile_sample_min_overlap_height == vae.tile_sample_min_overlap_width == overlap
+        assert min(y_overlaps + x_overlaps) >= overlap and all(p % 16 == 0 for p in ys + xs)
+        grids[overlap] = (len(ys), len(xs))
+    assert grids == {64: (3, 5), 32: (2, 4)}
+    for bad in (0, 8, 40, 256, 32.0):
+        with pytest.raises(ValueError, match="tile_overlap"):
+            VideoDecoder(vae, tile_overlap=bad)
 
 
 def test_max_batch_is_validated(video):
