@@ -138,7 +138,8 @@ class PhaseTimings:
     student_s: float = 0.0
     """The three LoRA-student forwards and Euler updates."""
     commit_s: float = 0.0
-    """The clean-commit forward and the KV transaction."""
+    """The previous phase's clean-commit forward and KV transaction, run at the start of this phase (0 for the
+    first phase of a session)."""
     total_s: float = 0.0
     """The whole phase."""
 

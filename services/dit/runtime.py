@@ -4,9 +4,11 @@ audio+video latents, phase by phase.
 Per request (5 s): choose the prompt (hold, updates), draw the noise (audio from seed + k after a discarded full
 video draw, video from seed + k * 1,000,003), run the audio teacher once. Per phase: three LoRA-student forwards
 (Euler on video; the student's audio is overwritten by teacher states 3/6/9), renormalise the clean video to the
-first phase's per-channel statistics, then one clean-commit forward at sigma = 0 without heads that stages K/V of
-every layer and commits them as one transaction (rollback on any failure). Cancellation is checked between
-forwards and releases the session's KV at once. Knows nothing about transport, encoding or decoding.
+first phase's per-channel statistics, hand the latents out, then one clean-commit forward at sigma = 0 without heads
+that stages K/V of every layer and commits them as one transaction (rollback on any failure). The commit runs at the
+start of the next phase (before its students, which read that K/V): a phase's latents never wait for their own
+commit, and a failed commit is retried before anything else. Cancellation is checked between forwards and releases
+the session's KV at once. Knows nothing about transport, encoding or decoding.
 """
 
 from __future__ import annotations
@@ -141,6 +143,9 @@ class StreamingSession:
         self._boundary: RequestPrompt | None = None
         self._tail: torch.Tensor | None = None  # [2, 40, 32] clean teacher audio of the previous request
         self._ref_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # per-channel mean/std [C]
+        self._pending_commit: tuple[_RequestState, PhasePlan, torch.Tensor, torch.Tensor] | None = None
+        """The last phase's clean commit (request, phase, video rows [Tv, 96], audio rows [2A, 32]), run first by the
+        next phase."""
         self._phase_lock = threading.Lock()
         self.closed = False
 
@@ -169,6 +174,7 @@ class StreamingSession:
             self.kv.release()
             self.kv = None
         self._request = None
+        self._pending_commit = None
         self.closed = True
         self.runtime._release(self)
 
@@ -222,6 +228,7 @@ class StreamingSession:
     def _phase(self) -> PhaseOutput:
         t_start = time.perf_counter()
         self._check()
+        commit_s = self._commit_previous()
         first_phase = self.phase_index == 0
         if self._request is None:  # kept across a failed phase, so a retry reuses prompt, noise and teacher
             self._request = self._start_request()
@@ -229,12 +236,10 @@ class StreamingSession:
         ph = req.plan.phases[self.phase_index]
         t0 = time.perf_counter()
         xv, audio = self._student(req, ph)
+        video, mean, std = self._renormalise(xv, ph)
         self._sync()
         t1 = time.perf_counter()
-        video, mean, std = self._renormalise(xv, ph)
-        self._commit(req, ph, patchify(video), audio)
-        self._sync()
-        t2 = time.perf_counter()
+        self._pending_commit = (req, ph, patchify(video), audio)
         if self._ref_stats is None:
             self._ref_stats = (mean, std)
         last = self.phase_index == len(req.plan.phases) - 1
@@ -242,7 +247,7 @@ class StreamingSession:
             self._tail = req.audio[-1][:, -TEACHER_TAIL_LATENTS:].clone()
         timings = PhaseTimings(hold_s=req.prompt.hold_seconds if first_phase else 0.0,
                                teacher_s=req.teacher_s if first_phase else 0.0, student_s=t1 - t0,
-                               commit_s=t2 - t1, total_s=time.perf_counter() - t_start)
+                               commit_s=commit_s, total_s=time.perf_counter() - t_start)
         meta = PhaseMeta(request_index=self.request_index, phase_index=self.phase_index, num_frames=ph.num_frames,
                          num_audio_samples=ph.num_audio_samples, num_video_latents=ph.num_latents,
                          num_audio_latents=ph.num_audio_latents,
@@ -292,6 +297,17 @@ class StreamingSession:
         ref_mean, ref_std = self._ref_stats
         scale = (ref_std / std)[None, :, None, None]
         return (video - mean[None, :, None, None]) * scale + ref_mean[None, :, None, None], mean, std
+
+    def _commit_previous(self) -> float:
+        """Run the previous phase's clean commit, if one is pending; returns its seconds. A failed commit stays
+        pending (its KV transaction rolled back), so the retried phase runs it again."""
+        if self._pending_commit is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._commit(*self._pending_commit)
+        self._sync()
+        self._pending_commit = None
+        return time.perf_counter() - t0
 
     def _commit(self, req: _RequestState, ph: PhasePlan, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> None:
         """Clean-commit forward at sigma = 0 without heads; all layers' media K/V commit as one transaction."""

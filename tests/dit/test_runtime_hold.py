@@ -69,7 +69,7 @@ def test_held_session_answers_cancel_within_one_poll_without_forwards(tmp_path):
     assert all(o.meta.timings.hold_s == 0.0 for o in outs)
     forwards = []
     inner = model.forward
-    model.forward = lambda *a, **kw: forwards.append(1) or inner(*a, **kw)
+    model.forward = lambda *a, heads=True, **kw: forwards.append(heads) or inner(*a, heads=heads, **kw)
     errors = []
 
     def produce():
@@ -81,13 +81,14 @@ def test_held_session_answers_cancel_within_one_poll_without_forwards(tmp_path):
     worker = threading.Thread(target=produce)
     worker.start()
     time.sleep(0.3)
-    assert worker.is_alive() and forwards == []  # holding: no dummy denoise steps
+    # holding: request 0's last commit ran (heads=False), no dummy denoise step follows
+    assert worker.is_alive() and forwards == [False]
     t_cancel = time.monotonic()
     session.cancel()
     worker.join(2.0)
     assert not worker.is_alive() and errors
     assert errors[0][0] - t_cancel < poll + 0.25
-    assert session.kv is None and rt.active_session is None and forwards == []
+    assert session.kv is None and rt.active_session is None and forwards == [False]
 
 
 def test_finite_hold_in_a_session_uses_the_fallback(tmp_path):

@@ -31,16 +31,17 @@ def test_session_kv_rows_follow_retention_and_audio_reset():
     inner, heads_flags = model.forward, []
     model.forward = lambda *a, heads=True, **kw: heads_flags.append(heads) or inner(*a, heads=heads, **kw)
     counts = []
-    for _ in range(5):
+    for _ in range(6):  # after phase k the cache holds the commits of phases 0..k-1 (a commit runs in the next phase)
         session.next_phase()
         counts.append((kv.audio_rows, kv.video_rows))
-    assert counts[0] == (audio[0], video[0])
-    assert counts[1] == (audio[0] + audio[1], video[0] + video[1])
-    assert counts[2] == (audio[1] + audio[2], video[0] + video[1] + video[2])  # commit 0 became a video sink
-    assert counts[3] == (audio[2] + audio[3], video[0] + video[2] + video[3])
-    # request 1 starts with the audio drop: only its own first commit carries audio
-    assert counts[4] == (audio[4], video[0] + video[3] + video[4])
+    assert counts[0] == (0, 0)
+    assert counts[1] == (audio[0], video[0])
+    assert counts[2] == (audio[0] + audio[1], video[0] + video[1])
+    assert counts[3] == (audio[1] + audio[2], video[0] + video[1] + video[2])  # commit 0 became a video sink
+    # request 1 starts by committing request 0's last phase, then drops the audio history
+    assert counts[4] == (0, video[0] + video[2] + video[3])
+    assert counts[5] == (audio[4], video[0] + video[3] + video[4])  # only request 1's own commit carries audio
     assert [t.data_ptr() for t in kv.k + kv.v] == ptrs
-    # 2 requests x 9 teacher forwards + 5 phases x (3 student + 1 commit without heads)
-    assert len(heads_flags) == 2 * 9 + 5 * 4 and heads_flags.count(False) == 5
+    # 2 requests x 9 teacher forwards + 6 phases x 3 students + 5 commits without heads
+    assert len(heads_flags) == 2 * 9 + 6 * 3 + 5 and heads_flags.count(False) == 5
     session.close()

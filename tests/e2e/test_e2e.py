@@ -384,8 +384,8 @@ def test_canvas_the_gateway_allows_but_the_dit_rejects(system):
 
 
 def test_dit_session_cancelled_after_its_last_check_is_released(system):
-    """Regression: a cancel that lands while a phase runs past its last cancellation check (here: inside the
-    KV commit) used to leave the runtime holding the session, so every later DiT open failed with NoCapacity."""
+    """Regression: a cancel that lands inside the KV commit (which now runs at the start of the next phase) used
+    to leave the runtime holding the session, so every later DiT open failed with NoCapacity."""
     import torch
 
     from services.common.config import load_profile
@@ -397,6 +397,7 @@ def test_dit_session_cancelled_after_its_last_check_is_released(system):
     service.start()
     text = PromptUpdate(torch.zeros(8, service.runtime.model.args.text_dim))
     session = service.open(SessionConfig(seed=0, width=320, height=192), text, None)
+    session.next_phase()  # its commit runs first in the next phase
     commit = session.kv.commit
 
     def cancel_then_commit() -> None:  # the client's cancel arrives during the phase's final forward
