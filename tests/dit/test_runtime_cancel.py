@@ -139,3 +139,15 @@ def test_fault_mid_commit_leaves_kv_exactly_as_before(adapter_dir):
     assert retried.meta.phase_index == 2 and kv.num_commits == 2
     session.close()
     assert rt.active_session is None
+
+
+def test_one_session_per_group_and_bad_canvas(adapter_dir):
+    rt = make_runtime(adapter_dir)
+    with pytest.raises(InvalidCanvas, match=r"short edge 96 is not one of the allowed short edges \(64, 128"):
+        rt.open_session(SessionConfig(seed=1, width=96, height=96), prompt())
+    assert rt.active_session is None
+    session = rt.open_session(CONFIG, prompt())
+    with pytest.raises(NoCapacity, match="one active session per group"):
+        rt.open_session(CONFIG, prompt())
+    session.close()
+    rt.open_session(CONFIG, prompt()).close()
