@@ -223,7 +223,27 @@ class VAEStage:
         self.process.join(timeout=60)
 
 
-def warmup(opts, encoder, runtime, vae: VAEStage) -> float:
+class NoVAE:
+    """`--no-vae`: a chunk counts as delivered when the DiT hands it over (DiT-only sessions, e.g. long memory runs
+    that would not fit one device call with the decode beside them)."""
+
+    def __init__(self):
+        self.results: list[dict] = []
+
+    def new_session(self) -> None:
+        self.results = []
+
+    def submit(self, video: torch.Tensor, audio: torch.Tensor) -> None:
+        self.results.append(dict(video_decode=0.0, audio_decode=0.0, mux=0.0, bytes=0, delivered=time.monotonic()))
+
+    def drain(self) -> list[dict]:
+        return self.results
+
+    def stop(self) -> None:
+        pass
+
+
+def warmup(opts, encoder, runtime, vae: VAEStage | NoVAE) -> float:
     """One phase of a throw-away session through the DiT and the VAE, as the services do before SERVING."""
     started = time.perf_counter()
     text = encoder.encode_bytes(prompt_text(99, opts.prompt_tokens))
@@ -239,7 +259,7 @@ def warmup(opts, encoder, runtime, vae: VAEStage) -> float:
     return time.perf_counter() - started
 
 
-def run_session(opts, device, encoder, runtime, vae: VAEStage, flops: FlopCounter, max_phases: int = 0):
+def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: FlopCounter, max_phases: int = 0):
     """Stream opts.requests requests with a new prompt each (or only `max_phases` phases), the VAE pipelined.
 
     Returns per-phase records (DiT and VAE stage seconds, delivery time, GPU memory after each request) and the
@@ -285,9 +305,10 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage, flops: FlopCounte
 
 def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
-             f"adaln_cache={opts.adaln_cache}, attention={opts.attention}, GPUs={gpus}; VAE + mux in their own "
-             f"process on {opts.devices.split(',')[-1]} (tiles overlap >= {opts.tile_overlap} px), pipelined with a "
-             f"window of {opts.window} phases",
+             f"adaln_cache={opts.adaln_cache}, attention={opts.attention}, GPUs={gpus}; " + (
+                 "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
+                 f"VAE + mux in their own process on {opts.devices.split(',')[-1]} (tiles overlap >= "
+                 f"{opts.tile_overlap} px), pipelined with a window of {opts.window} phases"),
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
              f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
@@ -396,13 +417,15 @@ def main() -> None:
                         help="preferred torch SDPA kernel for the session")
     parser.add_argument("--tile-overlap", type=int, default=VAEConfig().tile_overlap_px,
                         help="minimum overlap of the video decode tiles in px (vae.tile_overlap_px)")
+    parser.add_argument("--no-vae", action="store_true",
+                        help="no decode or mux: a chunk counts as delivered when the DiT hands it over")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,
                         help="phases the DiT may run ahead of delivered chunks (the services' dit.max_phases_ahead)")
     opts = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(opts.devices.split(",")[0])
     torch.manual_seed(0)
-    vae = VAEStage(opts, opts.window)  # first: a spawned process must not inherit a CUDA context
+    vae = NoVAE() if opts.no_vae else VAEStage(opts, opts.window)  # first: spawn before any CUDA context
     try:
         with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS[opts.attention], set_priority=True):
             profile, encoder, runtime, startup = build(opts)
