@@ -25,10 +25,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from peft.tuners.lora import LoraLayer
 
-from services.common.transport import TensorAssembler, tensor_to_parts
-from services.dit.api import PromptUpdate, SessionConfig
 from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
+from services.common.transport import TensorAssembler, tensor_to_parts
+from services.dit.api import PromptUpdate, SessionConfig
+from services.dit.geometry import plan_request
 from services.dit.group import DiTGroup
 from services.dit.lora import ADAPTER_NAME
 from services.dit.model import PRESETS, DiT, FullAttention, ModelArgs
@@ -45,6 +46,8 @@ BF16_TFLOPS = 788.0
 """Dense BF16 matrix rate measured on this workplace's H200 (8192³ on random data)."""
 FP8_TFLOPS = 2 * BF16_TFLOPS
 """Hopper's dense FP8 rate is twice its BF16 rate."""
+PHASES_PER_REQUEST = len(plan_request(0).phases)
+"""Phases of every request (the first request's geometry differs, not its phase count)."""
 ATTENTION_BACKENDS = {
     "default": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -270,32 +273,29 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     first = encoder.encode_bytes(prompt_text(0, opts.prompt_tokens))
     session = runtime.open_session(SessionConfig(seed=8301, width=opts.width, height=opts.height),
                                    PromptUpdate(first.float(), "p0"))
+    phases = [(k, p) for k in range(opts.requests) for p in range(PHASES_PER_REQUEST)][:max_phases or None]
     try:
-        for k in range(opts.requests):
-            for p in range(4):
-                rec = {"request": k, "phase": p}
-                if p == 1 and k + 1 < opts.requests:  # the next request's prompt arrives mid-request
-                    text = encoder.encode_bytes(prompt_text(k + 1, opts.prompt_tokens))
-                    session.submit_prompt(PromptUpdate(text.float(), f"p{k + 1}"))
-                t0 = time.perf_counter()
-                out = session.next_phase()
-                sync(device)
-                t1 = time.perf_counter()
-                rec.update(dit=t1 - t0, teacher=out.meta.timings.teacher_s, student=out.meta.timings.student_s,
-                           commit=out.meta.timings.commit_s, frames=out.meta.num_frames)
-                rec["linear_flops"], rec["attn_flops"] = flops.take()
-                video, audio = transport(out.video, "video"), transport(out.audio, "audio")
-                rec["transport"] = time.perf_counter() - t1
-                vae.submit(video, audio)
-                records.append(rec)
-                if max_phases and len(records) >= max_phases:
-                    break
-            else:
-                records[-1]["memory"] = gpu_memory_in_use()
-                log.info("request %d: dit %.3f s, GiB in use per GPU %s", k, sum(r["dit"] for r in records[-4:]),
-                         [round(b / 2**30, 1) for b in records[-1]["memory"].values()])
-                continue
-            break
+        for k, p in phases:
+            rec = {"request": k, "phase": p}
+            if p == 1 and k + 1 < opts.requests:  # the next request's prompt arrives mid-request
+                text = encoder.encode_bytes(prompt_text(k + 1, opts.prompt_tokens))
+                session.submit_prompt(PromptUpdate(text.float(), f"p{k + 1}"))
+            t0 = time.perf_counter()
+            out = session.next_phase()
+            sync(device)
+            t1 = time.perf_counter()
+            rec.update(dit=t1 - t0, teacher=out.meta.timings.teacher_s, student=out.meta.timings.student_s,
+                       commit=out.meta.timings.commit_s, frames=out.meta.num_frames)
+            rec["linear_flops"], rec["attn_flops"] = flops.take()
+            video, audio = transport(out.video, "video"), transport(out.audio, "audio")
+            rec["transport"] = time.perf_counter() - t1
+            vae.submit(video, audio)
+            records.append(rec)
+            if p == PHASES_PER_REQUEST - 1:  # the request is complete
+                rec["memory"] = gpu_memory_in_use()
+                log.info("request %d: dit %.3f s, GiB in use per GPU %s", k,
+                         sum(r["dit"] for r in records[-PHASES_PER_REQUEST:]),
+                         [round(b / 2**30, 1) for b in rec["memory"].values()])
     finally:
         session.close()
     for rec, result in zip(records, vae.drain()):
@@ -321,7 +321,7 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
     for k in range(opts.requests):
         rs = [r for r in records if r["request"] == k]
         tot = {s: sum(r[s] for r in rs) for s in stages}
-        media = sum(r["frames"] for r in rs) / 24
+        media = sum(r["frames"] for r in rs) / VIDEO_FPS
         delivered = rs[-1]["delivered"] - previous
         previous = rs[-1]["delivered"]
         lin, att = sum(r["linear_flops"] for r in rs), sum(r["attn_flops"] for r in rs)
@@ -333,8 +333,8 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
                      f"{(lin + att) / 1e15:5.2f} | {floor:7.3f} | {tot['dit'] / floor:9.2f} | {memory}")
     if opts.requests > 1:
         steady = [r for r in records if r["request"] >= 1]
-        media = sum(r["frames"] for r in steady) / 24
-        span = steady[-1]["delivered"] - records[3]["delivered"]
+        media = sum(r["frames"] for r in steady) / VIDEO_FPS
+        span = steady[-1]["delivered"] - records[PHASES_PER_REQUEST - 1]["delivered"]
         lines.append(f"steady state (requests 1..{opts.requests - 1}): {span:.2f} s for {media:.2f} s of media, "
                      f"RTF {span / media:.3f}")
     if torch.cuda.is_available():

@@ -68,10 +68,9 @@ class FP8Linear(nn.Module):
         self.weight = weight
         self.register_buffer("weight_scale", weight_scale, persistent=True)
         self.bias = bias
-        self.backend = "auto"
-        """"auto": `_scaled_mm` where supported, else the dequantising reference; "reference": always the latter."""
-        self.scaled_mm = scaled_mm_supported(weight.device)
-        """Decided once, where the weight lives (the DiT is built on its device), not per call."""
+        self.backend = "scaled_mm" if scaled_mm_supported(weight.device) else "reference"
+        """"scaled_mm" where the weight's device runs it (decided once: the DiT is built on its device), else the
+        dequantising "reference" path; tests may force "reference"."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
@@ -106,7 +105,7 @@ class FP8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         xq, sx = quantize_rows(x2)  # [M, K] fp8, [M, 1] fp32; fused with its producer in a compiled block region
-        if self.backend == "auto" and self.scaled_mm:
+        if self.backend == "scaled_mm":
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=sx, scale_b=self.weight_scale,
                                    out_dtype=torch.bfloat16)
         else:

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from services.dit.api import InvalidCanvas
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
+from services.dit.api import InvalidCanvas
 
-FPS = VIDEO_FPS
 AUDIO_LATENT_RATE = 40
 """Audio latents per second per channel (32 kHz / 800)."""
 SAMPLES_PER_AUDIO_LATENT = AUDIO_SAMPLE_RATE // AUDIO_LATENT_RATE
@@ -39,7 +38,7 @@ TEACHER_TAIL_LATENTS = 40
 
 def audio_boundary(frame: int) -> int:
     """Audio latent index (per channel) at global pixel frame boundary `frame`, rounded half to even."""
-    return round(Fraction(frame * AUDIO_LATENT_RATE, FPS))
+    return round(Fraction(frame * AUDIO_LATENT_RATE, VIDEO_FPS))
 
 
 def request_frame_start(request_index: int) -> int:

@@ -28,6 +28,7 @@ from services.common import tracing
 from services.common.config import DiTConfig
 from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
+from services.common.media import AUDIO_SAMPLE_RATE
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
 from services.common.transport import TensorAssembler, tensor_to_parts
 from services.dit.api import PhaseOutput, PromptUpdate, SessionConfig
@@ -35,7 +36,6 @@ from services.dit.runtime import StreamingSession
 from services.dit.service import DiTService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
-from services.common.media import AUDIO_SAMPLE_RATE
 
 log = logging.getLogger(__name__)
 

@@ -287,7 +287,7 @@ class Block(nn.Module):
 def attention_inputs(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A block's first region: AdaLN-modulated norm, QKV projection, QK-norm and RoPE -> q, k, v `[S, H, D]`."""
-    mod = table.index_select(0, rows)  # [S, 6, C]
+    mod = table[:, :2].index_select(0, rows)  # [S, 2, C]: this region's (shift, scale)
     h = norm_modulate(x, block.norm1.weight, mod[:, 0], mod[:, 1], block.norm1.eps)
     return block.attn.project_qkv(h, (cos, sin))
 
@@ -296,10 +296,10 @@ def attention_inputs(block: Block, x: torch.Tensor, table: torch.Tensor, rows: t
 def residual_branches(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                       attn_out: torch.Tensor) -> torch.Tensor:
     """A block's second region: gated attention residual, then the modulated, gated MLP residual -> x `[S, C]`."""
-    mod = table.index_select(0, rows)  # [S, 6, C]
-    x = gated_residual(x, mod[:, 2], block.attn.project_out(attn_out))
-    h = norm_modulate(x, block.norm2.weight, mod[:, 3], mod[:, 4], block.norm2.eps)
-    return gated_residual(x, mod[:, 5], block.mlp(h))
+    mod = table[:, 2:].index_select(0, rows)  # [S, 4, C]: this region's gate, (shift, scale), gate
+    x = gated_residual(x, mod[:, 0], block.attn.project_out(attn_out))
+    h = norm_modulate(x, block.norm2.weight, mod[:, 1], mod[:, 2], block.norm2.eps)
+    return gated_residual(x, mod[:, 3], block.mlp(h))
 
 
 class TimeEmbedder(nn.Module):

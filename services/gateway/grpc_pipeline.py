@@ -34,6 +34,7 @@ import grpc
 
 from services.common import tracing
 from services.common.grpc_server import CHANNEL_OPTIONS, HEALTH_NAMES
+from services.common.media import AUDIO_SAMPLE_RATE
 from services.gateway.pipeline import (
     BackendUnavailable,
     InvalidRequest,
@@ -48,7 +49,6 @@ from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
-from services.common.media import AUDIO_SAMPLE_RATE
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)

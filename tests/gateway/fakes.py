@@ -19,6 +19,7 @@ import numpy as np
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
+from services.common.media import AUDIO_SAMPLE_RATE as SAMPLE_RATE
 from services.gateway.config import GatewayConfig
 from services.gateway.pipeline import (
     InvalidRequest,
@@ -32,7 +33,6 @@ from services.gateway.pipeline import (
 from services.gateway.ws import create_app
 from services.vae.mux import FragmentedMP4Muxer
 
-SAMPLE_RATE = 32000
 
 
 @dataclass
