@@ -29,11 +29,11 @@ from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profil
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.transport import TensorAssembler, tensor_to_parts
 from services.dit.api import PromptUpdate, SessionConfig
-from services.dit.geometry import plan_request
+from services.dit.geometry import TEACHER_TAIL_LATENTS, plan_request
 from services.dit.group import DiTGroup
 from services.dit.lora import ADAPTER_NAME
 from services.dit.model import PRESETS, DiT, FullAttention, ModelArgs
-from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
+from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
 from services.encoder.model import TextEncoder
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
@@ -73,16 +73,28 @@ class FlopCounter:
         return 2.0 * (weights + lora)
 
     def hook(self, module: DiT, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook: count an eagerly run forward (a replayed CUDA graph calls no hook)."""
         layout = kwargs.get("layout", args[3] if len(args) > 3 else None)
         attention = kwargs.get("attention", args[4] if len(args) > 4 else None)
-        a, tt, real = self.args, layout.text_len, layout.num_real
-        media = real - tt
+        if layout.text_valid is not None:
+            return  # a bucket-padded teacher step: `add_teacher` counts its real rows
         cache = getattr(attention, "cache", None)
-        history = cache.live if cache is not None else 0
-        full = isinstance(attention, FullAttention)
+        self.add(layout.text_len, layout.num_real, cache.live if cache is not None else 0,
+                 isinstance(attention, FullAttention))
+
+    def add(self, tt: int, real: int, history: int, full: bool) -> None:
+        """Count one forward of `real` rows, `tt` of them text, over `history` cached rows."""
+        a, media = self.args, real - tt
         pairs = real * real if full else tt * tt + media * (tt + history + media)
         self.linear += self.per_row_linear() * (a.num_layers * real + a.refiner_layers * tt)
         self.attention += 4.0 * a.head_dim * a.num_heads * (a.num_layers * pairs + a.refiner_layers * tt * tt)
+
+    def add_teacher(self, prompt_tokens: int, request_index: int) -> None:
+        """Count the 9 teacher steps of a request whose forwards replayed CUDA graphs (real rows only)."""
+        n_tail = 0 if request_index == 0 else TEACHER_TAIL_LATENTS
+        real = prompt_tokens + 2 * (n_tail + plan_request(request_index).num_audio_latents)
+        for _ in range(len(TEACHER_SIGMAS) - 1):
+            self.add(prompt_tokens, real, 0, True)
 
     def take(self) -> tuple[float, float]:
         out = (self.linear, self.attention)
@@ -136,7 +148,8 @@ def build(opts):
         name="bench", model=ModelConfig(preset=opts.preset, dir="", random_weights_on_device=True),
         encoder=EncoderConfig(max_tokens=opts.max_tokens),
         dit=DiTConfig(devices=devices, dtype="bfloat16" if cuda else "float32",
-                      canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache))
+                      canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache,
+                      cuda_graphs=opts.cuda_graphs))
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
         else DiTGroup.start(profile, build_runtime)
     encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,
@@ -274,16 +287,20 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     session = runtime.open_session(SessionConfig(seed=8301, width=opts.width, height=opts.height),
                                    PromptUpdate(first.float(), "p0"))
     phases = [(k, p) for k in range(opts.requests) for p in range(PHASES_PER_REQUEST)][:max_phases or None]
+    prompt_tokens = {0: first.shape[0]}
     try:
         for k, p in phases:
             rec = {"request": k, "phase": p}
             if p == 1 and k + 1 < opts.requests:  # the next request's prompt arrives mid-request
                 text = encoder.encode_bytes(prompt_text(k + 1, opts.prompt_tokens))
+                prompt_tokens[k + 1] = text.shape[0]
                 session.submit_prompt(PromptUpdate(text.float(), f"p{k + 1}"))
             t0 = time.perf_counter()
             out = session.next_phase()
             sync(device)
             t1 = time.perf_counter()
+            if p == 0 and opts.cuda_graphs:
+                flops.add_teacher(prompt_tokens[k], k)
             rec.update(dit=t1 - t0, teacher=out.meta.timings.teacher_s, student=out.meta.timings.student_s,
                        commit=out.meta.timings.commit_s, frames=out.meta.num_frames)
             rec["linear_flops"], rec["attn_flops"] = flops.take()
@@ -305,7 +322,8 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
 
 def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
-             f"adaln_cache={opts.adaln_cache}, attention={opts.attention}, GPUs={gpus}; " + (
+             f"adaln_cache={opts.adaln_cache}, cuda_graphs={opts.cuda_graphs}, attention={opts.attention}, "
+             f"GPUs={gpus}; " + (
                  "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
                  f"VAE + mux in their own process on {opts.devices.split(',')[-1]} (tiles overlap >= "
                  f"{opts.tile_overlap} px), pipelined with a window of {opts.window} phases"),
@@ -412,6 +430,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--adaln-cache", action="store_true")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="capture the audio teacher's steps as CUDA graphs (dit.cuda_graphs)")
     parser.add_argument("--baseline", action="store_true", help="also time diffusers' forward (CUDA only)")
     parser.add_argument("--attention", default="default", choices=sorted(ATTENTION_BACKENDS),
                         help="preferred torch SDPA kernel for the session")

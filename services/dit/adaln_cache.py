@@ -53,6 +53,7 @@ class AdaLNTable(nn.Module):
         self.slot_of = {t: i for i, t in enumerate(timesteps)}
         self.register_buffer("blocks", blocks, persistent=False)
         self.register_buffer("final", final, persistent=False)
+        self._selections: dict[tuple, torch.Tensor] = {}  # (slot list, device) -> index tensor on that device
 
     def lookup(self, values: Sequence[float]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Tables for a layout's timestep values: per block [n * 3, 6, C] and final [n, 2, C]."""
@@ -60,11 +61,14 @@ class AdaLNTable(nn.Module):
         if missing:
             raise AdaLNCacheError(f"timesteps {missing} are not in the AdaLN cache (cached: {list(self.timesteps)}); "
                                   "call cache_adaln with every t the schedule uses")
-        idx = [self.slot_of[v] for v in values]
-        if idx == list(range(len(self.timesteps))):
+        idx = tuple(self.slot_of[v] for v in values)
+        if idx == tuple(range(len(self.timesteps))):
             blocks, final = self.blocks, self.final
         else:
-            sel = torch.tensor(idx, device=self.blocks.device)
+            key = (idx, self.blocks.device)
+            sel = self._selections.get(key)
+            if sel is None:  # made once per slot list, never inside a CUDA graph capture (a host-to-device copy)
+                sel = self._selections[key] = torch.tensor(idx, device=self.blocks.device)
             blocks, final = self.blocks.index_select(1, sel), self.final.index_select(0, sel)
         return [b.flatten(0, 1) for b in blocks.unbind(0)], final
 

@@ -21,6 +21,9 @@ class StreamingAttention:
 
     def __init__(self, layout: PackedLayout, cache: CleanAVKVCache, commit: bool = False):
         tt, nm = layout.text_len, layout.num_media  # rows: [text | audio | video | pad] (a PackedLayout invariant)
+        if layout.text_valid is not None:
+            raise ValueError("StreamingAttention takes the prompt's exact rows; bucket-padded text (text_valid) is "
+                             "only supported by FullAttention (the audio teacher's graphs)")
         if commit and not cache.in_transaction:
             raise ValueError("commit-mode attention needs an open KV transaction (cache.begin)")
         self.text_len, self.media_len, self.seq_len = tt, nm, layout.seq_len

@@ -58,6 +58,9 @@ class PackedLayout:
     """[n] float32 distinct timestep values t = 1 - sigma, in slot order."""
     timestep_values: tuple[float, ...]
     """The same n values as Python floats (float32-rounded); lets the AdaLN cache look slots up without a sync."""
+    text_valid: torch.Tensor | None = None
+    """[Tt] bool, False on the rows a prompt-length bucket appended to the text (CUDA graphs): those rows are
+    masked out as attention keys, so the real rows see exactly the unpadded prompt. None: every text row is real."""
 
     def __post_init__(self) -> None:
         s = self.seq_len
@@ -77,6 +80,10 @@ class PackedLayout:
         if tuple(self.timesteps.shape) != (len(self.timestep_values),):
             raise ValueError(f"timesteps has shape {tuple(self.timesteps.shape)}, expected "
                              f"({len(self.timestep_values)},) to match timestep_values")
+        if self.text_valid is not None and (tuple(self.text_valid.shape) != (self.text_len,)
+                                            or self.text_valid.dtype != torch.bool):
+            raise ValueError(f"text_valid must be a bool tensor of shape ({self.text_len},), got "
+                             f"{self.text_valid.dtype} {tuple(self.text_valid.shape)}")
         if self.text_index.device.type == "cpu":
             tt, ta = self.text_len, 2 * self.audio_len
             for name, start in (("text_index", 0), ("audio_index", tt), ("video_index", tt + ta)):
@@ -117,6 +124,7 @@ class PackedLayout:
             video_index=self.video_index.to(device), positions=self.positions.to(device),
             tags=self.tags.to(device), timestep_slot=self.timestep_slot.to(device),
             timesteps=self.timesteps.to(device),
+            text_valid=None if self.text_valid is None else self.text_valid.to(device),
         )
 
 

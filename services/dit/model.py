@@ -133,20 +133,30 @@ class NoShard:
         return x
 
 
-def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Unmasked attention of q rows over k/v rows."""
-    # q: [Sq, H, D], k/v: [Sk, H, D] -> [Sq, H, D]
+def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """Attention of q rows over k/v rows; keys where `key_valid` is False take no part."""
+    # q: [Sq, H, D], k/v: [Sk, H, D], key_valid: [Sk] bool -> [Sq, H, D]
     # 4-D [1, H, S, D] views (last dim contiguous) so the flash / memory-efficient kernels apply
-    out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2))
+    mask = None if key_valid is None else key_valid[None, None, None, :]  # [1, 1, 1, Sk]
+    out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+                                         attn_mask=mask)
     return out.transpose(1, 2)[0]
 
 
 class FullAttention:
-    """Base pattern: the real rows form one document, the pad rows another (block-diagonal by slicing)."""
+    """Base pattern: the real rows form one document, the pad rows another (block-diagonal by slicing).
+
+    Text rows a prompt-length bucket appended (`layout.text_valid` False) are masked out as keys of the document.
+    """
 
     def __init__(self, layout: PackedLayout):
         self.num_real = layout.num_real
         self.seq_len = layout.seq_len
+        self.key_valid = None  # [num_real] bool when the text is padded
+        if layout.text_valid is not None:
+            valid = layout.text_valid
+            self.key_valid = torch.cat([valid, valid.new_ones(layout.num_real - layout.text_len)])
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [S, H, D]
@@ -154,8 +164,8 @@ class FullAttention:
             raise ValueError(f"FullAttention built for {self.seq_len} rows got q with {q.shape[0]} rows")
         n = self.num_real
         if n == self.seq_len:  # a fresh tensor, not a view, like every pattern's output: the compiled block
-            return sdpa_rows(q, k, v).clone()  # region is specialised on whether its input is a view
-        return torch.cat([sdpa_rows(q[:n], k[:n], v[:n]), sdpa_rows(q[n:], k[n:], v[n:])], dim=0)
+            return sdpa_rows(q, k, v, self.key_valid).clone()  # region is specialised on whether its input is a view
+        return torch.cat([sdpa_rows(q[:n], k[:n], v[:n], self.key_valid), sdpa_rows(q[n:], k[n:], v[n:])], dim=0)
 
 
 class RMSNorm(nn.Module):
@@ -249,8 +259,9 @@ class RefinerBlock(nn.Module):
         self.norm2 = RMSNorm(args.hidden_size, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), sdpa_rows, None)
+    def forward(self, x: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
+        # x: [Tt, C]; key_valid: [Tt] bool or None
+        x = x + self.attn(self.norm1(x), lambda q, k, v: sdpa_rows(q, k, v, key_valid), None)
         return x + self.mlp(self.norm2(x))
 
 
@@ -260,10 +271,10 @@ class TokenRefiner(nn.Module):
         self.blocks = nn.ModuleList([RefinerBlock(args) for _ in range(args.refiner_layers)])
         self.final_norm = RMSNorm(args.hidden_size, args.final_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [Tt, C]
+    def forward(self, x: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [Tt, C]; key_valid: [Tt] bool, False on bucket padding (None: all rows real)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, key_valid)
         return self.final_norm(x)
 
 
@@ -378,10 +389,10 @@ class DiT(nn.Module):
         # video: [Tv, 96], audio: [Ta, 32], text: [Tt, text_dim]
         self._check_inputs(video, audio, text, layout)
         dt, dev, c = self.dtype, self.condition_proj.weight.device, self.args.hidden_size
-        # 1. Input projections; text goes through the refiner (full attention over text rows only).
+        # 1. Input projections; text goes through the refiner (full attention over the real text rows only).
         v_rows = self.video_patch_proj(video.to(dev, self.video_patch_proj.weight.dtype)).to(dt)
         a_rows = self.audio_patch_proj(audio.to(dev, self.audio_patch_proj.weight.dtype)).to(dt)
-        t_rows = self.token_refiner(self.condition_proj(text.to(dev, dt)))
+        t_rows = self.token_refiner(self.condition_proj(text.to(dev, dt)), layout.text_valid)
         x = torch.zeros(layout.seq_len, c, device=dev, dtype=dt)  # [S, C]
         x.index_copy_(0, layout.text_index.to(dev), t_rows)
         x.index_copy_(0, layout.audio_index.to(dev), a_rows)

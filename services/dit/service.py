@@ -17,12 +17,14 @@ from services.common.grpc_server import Stage
 from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionConfig
 from services.dit.checkpoint import load_dit
 from services.dit.fp8 import quantize_linears
+from services.dit.graphs import PromptBuckets
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.layout import pack_layout
 from services.dit.model import PRESETS, DiT, FullAttention, build_random
 from services.dit.runtime import DiTRuntime
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
+from services.dit.teacher import request_audio_shapes
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,12 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
         log.info("AdaLN cache: %s", model.cache_adaln(runtime_timesteps()))
     if device.type == "cuda":
         compile_block_regions(model, adapter)
-    return DiTRuntime(model, RuntimeConfig(
+    runtime = DiTRuntime(model, RuntimeConfig(
         canvases=cfg.canvas_short_edges, max_text_tokens=profile.encoder.max_tokens,
         ulysses_degree=cfg.usp_degree, audio_reset_requests=cfg.audio_reset_requests), adapter)
+    if cfg.cuda_graphs:  # before the Ulysses group is installed: the teacher runs unsharded on every rank anyway
+        runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets), request_audio_shapes())
+    return runtime
 
 
 def compile_block_regions(model: DiT, adapter: LoRAAdapter) -> None:
