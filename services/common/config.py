@@ -56,11 +56,22 @@ class EncoderConfig:
     """Longest prompt in tokens; longer prompts are rejected."""
     metrics_port: int = 9101
     """Port of the Prometheus /metrics endpoint (0 disables it)."""
+    cuda_ipc: bool = True
+    """Offer CUDA IPC to the DiT when the encoder runs on CUDA: an embedding then goes as one slot of the encoder's
+    exported device pool when the DiT runs on the same machine and sees that GPU (else host bytes, counted in
+    vitascope_transport_fallbacks_total). False always sends host bytes."""
+    ipc_slot_mib: int = 12
+    """Size of one slot of the encoder's CUDA IPC pool in MiB (an even number). One slot holds one embedding:
+    [max_tokens, 5120] is 5 MiB in bfloat16 and 10 MiB in float32 at 512 tokens; larger ones go as host bytes."""
+    ipc_slots: int = 4
+    """Slots of the pool: embeddings sent but not yet copied out by the DiT (a session's prompt, its fallback and
+    updates in flight); when all are out, embeddings go as host bytes (a counted fallback)."""
 
     def __post_init__(self):
         _check_dtype("encoder.dtype", self.dtype)
         if self.max_tokens < 1:
             raise ValueError(f"encoder.max_tokens={self.max_tokens}: must be ≥ 1")
+        _check_ipc("encoder", self.cuda_ipc, self.ipc_slot_mib, self.ipc_slots, min_slots=1)
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,17 @@ class DiTConfig:
     prompt_buckets: tuple[int, ...] = (128, 256, 384, 512)
     """Prompt lengths (tokens) the graphs are captured for, increasing; the largest must hold encoder.max_tokens.
     Each bucket costs 27 teacher graphs (9 steps x 3 audio shapes) and about 6 s of start-up."""
+    cuda_ipc: bool = True
+    """Offer CUDA IPC to the VAE when the DiT's rank 0 runs on CUDA: latents then go through one exported device
+    pool on `devices[0]` when the VAE runs on the same machine and sees that GPU (else host bytes, counted in
+    vitascope_transport_fallbacks_total). False always sends host bytes."""
+    ipc_slot_mib: int = 16
+    """Size of one slot of the CUDA IPC pool in MiB (an even number: slots are 2 MiB aligned). One slot holds one
+    tensor: a phase's video latents are at most [12, 24, H/16, W/16] float32 (1.8 MiB at 480x864, 9.0 MiB at
+    1088x1920); a tensor larger than a slot goes as host bytes (a counted fallback)."""
+    ipc_slots: int = 0
+    """Slots of the pool; 0 means 2 x (max_phases_ahead + 1): the video and audio latents of every phase the
+    VAE may hold unreleased, plus one phase. See `ipc_pool_slots`."""
 
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -115,10 +137,16 @@ class DiTConfig:
         if not b or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in b) \
                 or list(b) != sorted(set(b)):
             raise ValueError(f"dit.prompt_buckets={list(b)}: must be strictly increasing positive ints")
+        _check_ipc("dit", self.cuda_ipc, self.ipc_slot_mib, self.ipc_slots or 2, min_slots=2)
 
     @property
     def usp_degree(self) -> int:
         return len(self.devices)
+
+    @property
+    def ipc_pool_slots(self) -> int:
+        """Slots of the CUDA IPC pool: `ipc_slots`, or 2 x (max_phases_ahead + 1) when that is 0."""
+        return self.ipc_slots or 2 * (self.max_phases_ahead + 1)
 
 
 @dataclass(frozen=True)
@@ -159,6 +187,17 @@ class Profile:
         if self.dit.cuda_graphs and self.dit.prompt_buckets[-1] < self.encoder.max_tokens:
             raise ValueError(f"dit.prompt_buckets={list(self.dit.prompt_buckets)}: the largest bucket must hold "
                              f"encoder.max_tokens={self.encoder.max_tokens}")
+
+
+def _check_ipc(section_name: str, enabled: bool, slot_mib: int, slots: int, min_slots: int) -> None:
+    """Validate a section's CUDA IPC pool fields (`slots` after resolving an automatic 0)."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{section_name}.cuda_ipc={enabled!r}: must be true or false")
+    if not isinstance(slot_mib, int) or isinstance(slot_mib, bool) or slot_mib < 2 or slot_mib % 2:
+        raise ValueError(f"{section_name}.ipc_slot_mib={slot_mib!r}: must be an even number of MiB >= 2")
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < min_slots:
+        automatic = " or 0 (automatic)" if section_name == "dit" else ""
+        raise ValueError(f"{section_name}.ipc_slots={slots!r}: must be an int >= {min_slots}{automatic}")
 
 
 def _check_dtype(name: str, value: str) -> None:

@@ -17,25 +17,35 @@ ints/strings/base64 bytes (never pickle). A consumer decodes it the first time i
 
 Handshake: `decide_transport(local, peer)` on `TransportHello`s picks CUDA IPC only for the same boot id, a
 different pid (a process cannot open its own IPC handles) and at least one shared GPU UUID; otherwise host bytes,
-counted in `TRANSPORT_FALLBACKS`. Knows nothing about gRPC calls or which stage it runs in.
+counted in `TRANSPORT_FALLBACKS`; every tensor sent is counted per mode in `TRANSPORT_TENSORS`.
+
+Stage wiring: a producer stage keeps one `IpcExporter` per process (it creates the pool lazily on the first IPC
+session) and one `SessionLeases` per consumer session (it tracks the slots leased to that session, checks each
+release against them and takes back what the session still holds when it ends). A consumer stage keeps one
+`IpcConsumer` per process and one `TensorReceiver` per stream and tensor kind. `TransportServicer` answers the
+`vitascope.common.v1.Transport/Hello` RPC with this process's hello. Knows nothing about which stage it runs in.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
 
 from services.common import metrics
-from services.common.transport import (DTYPE_TO_PROTO, PROTO_TO_DTYPE, TransportError, tensor_nbytes,
-                                       tensor_to_parts)
+from services.common.transport import (DTYPE_TO_PROTO, PROTO_TO_DTYPE, TensorAssembler, TransportError,
+                                       tensor_nbytes, tensor_to_parts)
 from vitascope.common.v1 import tensor_pb2 as pb
+from vitascope.common.v1 import transport_pb2, transport_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +135,9 @@ def negotiate(local: pb.TransportHello, peer: pb.TransportHello, peer_name: str)
 
 
 class SlotLedger:
-    """Lease / release bookkeeping of `num_slots` slots with a generation number per lease (thread-safe)."""
+    """Lease / release bookkeeping of `num_slots` slots with a generation number per lease (thread-safe).
+
+    Free slots are handed out first in, first out, so a slot taken back from a departed consumer is reused last."""
 
     def __init__(self, num_slots: int):
         if not isinstance(num_slots, int) or num_slots < 1:
@@ -134,7 +146,7 @@ class SlotLedger:
         self._generation = [0] * num_slots  # generation of the current (or last) lease of each slot
         self._leased = [False] * num_slots
         self._next_generation = 1
-        self._free = list(range(num_slots - 1, -1, -1))  # stack: slot 0 leased first
+        self._free = collections.deque(range(num_slots))  # FIFO: slot 0 leased first
         self._lock = threading.Lock()
 
     @property
@@ -147,7 +159,7 @@ class SlotLedger:
             if not self._free:
                 raise PoolExhausted(f"all {self.num_slots} slots are leased: the consumer has not released them "
                                     "(send Release after each open) or the pool is too small")
-            slot = self._free.pop()
+            slot = self._free.popleft()
             gen = self._next_generation
             self._next_generation += 1
             self._generation[slot], self._leased[slot] = gen, True
@@ -165,6 +177,19 @@ class SlotLedger:
                 raise IpcError(f"double release of slot {slot} generation {generation}: already free")
             self._leased[slot] = False
             self._free.append(slot)
+
+    def reclaim(self, slot: int, generation: int) -> bool:
+        """Free one lease without its consumer's release (its session ended); False if it was already given back.
+
+        The slot gets a generation no lease carried, so the departed consumer's late release is rejected as stale."""
+        with self._lock:
+            if not 0 <= slot < self.num_slots or not self._leased[slot] or self._generation[slot] != generation:
+                return False
+            self._leased[slot] = False
+            self._generation[slot] = self._next_generation
+            self._next_generation += 1
+            self._free.append(slot)
+            return True
 
     def reclaim_all(self) -> int:
         """Free every leased slot (the consumer disconnected); their late releases are rejected as stale."""
@@ -275,11 +300,11 @@ class IpcProducer:
         log.info("CUDA IPC pool on %s: %d slots x %.1f MiB", dev, num_slots, self.slot_bytes / 2**20)
 
     def export(self, tensor: torch.Tensor) -> pb.TensorPart:
-        """Copy `tensor` into a leased slot; the part is valid until the consumer's `Release` comes back."""
+        """Copy `tensor` into a leased slot; the part is valid until the consumer's `Release` comes back.
+
+        A tensor on another device (e.g. the CPU) is copied straight into the slot (one transfer)."""
         if tensor.dtype not in DTYPE_TO_PROTO:
             raise IpcError(f"dtype {tensor.dtype} cannot travel; allowed: {sorted(map(str, DTYPE_TO_PROTO))}")
-        if tensor.device != self.device:
-            raise IpcError(f"tensor on {tensor.device}, the pool lives on {self.device}")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > self.slot_bytes:
             raise IpcError(f"tensor of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
@@ -309,6 +334,10 @@ class IpcProducer:
     def leased(self) -> int:
         return self.ledger.leased
 
+    @property
+    def device_uuid(self) -> str:
+        return self.record.device_uuid
+
 
 class IpcConsumer:
     """Opens the pools of the producers it hears from (once each) and reads their slots."""
@@ -319,6 +348,8 @@ class IpcConsumer:
         self._uuid_to_index = {u: i for i, u in enumerate(gpu_uuids())}
         self._pools: dict[str, torch.Tensor] = {}  # pool id -> [storage_bytes] uint8 view of the producer's pool
         self._events: dict[bytes, torch.cuda.Event] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # open()'s own copy stream per device
+        self._lock = threading.Lock()  # open() may run in several worker threads
 
     def _pool(self, pool_id: str, device_uuid: str) -> torch.Tensor:
         pool = self._pools.get(pool_id)
@@ -367,18 +398,190 @@ class IpcConsumer:
         torch.cuda.current_stream(pool.device).synchronize()
         return pb.Release(pool_id=ref.pool_id, slot=ref.slot, generation=ref.generation)
 
-    def open(self, part: pb.TensorPart) -> tuple[torch.Tensor, pb.Release]:
-        """Copy the slot out into a tensor of this process; returns it and the `Release` to send back."""
-        out = self.view(part).clone()
-        return out, self.release_for(part)
+    def open(self, part: pb.TensorPart, device: torch.device | str | None = None) -> tuple[torch.Tensor, pb.Release]:
+        """Copy the slot out into a tensor of this process on `device` (default: the pool's GPU); returns it and
+        the `Release` to send back. The copy runs on streams of its own and has finished when this returns, so it
+        never waits for (or delays) other work queued on the devices."""
+        if part.WhichOneof("where") != "cuda":
+            raise IpcError(f"IpcConsumer reads cuda parts, got {part.WhichOneof('where')}")
+        with self._lock:
+            pool = self._pool(part.cuda.pool_id, part.cuda.device_uuid)
+            target = pool.device if device is None else torch.device(device)
+            streams = [self._stream(pool.device)] + ([self._stream(target)] if target.type == "cuda" else [])
+            with torch.cuda.stream(streams[0]), torch.cuda.stream(streams[-1]):
+                src = self.view(part)
+                out = torch.empty(src.shape, dtype=src.dtype, device=target)
+                out.copy_(src)
+                for stream in streams[1:]:
+                    stream.synchronize()
+                return out, self.release_for(part)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
 
 def send_tensor(tensor: torch.Tensor, producer: IpcProducer | None, peer: str) -> list[pb.TensorPart]:
-    """IPC part through `producer` when given and the tensor fits, else host parts (a counted fallback)."""
-    if producer is None:
-        return tensor_to_parts(tensor)
-    if tensor.device == producer.device and tensor.numel() * tensor.element_size() <= producer.slot_bytes:
-        return [producer.export(tensor)]
-    count_fallback(peer, f"tensor of {tensor.numel() * tensor.element_size()} bytes on {tensor.device} does not fit "
-                         f"the {producer.slot_bytes}-byte slots on {producer.device}")
+    """IPC part through `producer` when given, the tensor fits a slot and a slot is free; else host parts (a
+    counted fallback when a producer was given). Every tensor is counted in TRANSPORT_TENSORS by mode."""
+    if producer is not None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > producer.slot_bytes:
+            count_fallback(peer, f"tensor of {nbytes} bytes does not fit the {producer.slot_bytes}-byte slots")
+        else:
+            try:
+                part = producer.export(tensor)
+            except PoolExhausted as exc:
+                count_fallback(peer, str(exc))
+            else:
+                metrics.TRANSPORT_TENSORS.labels(peer=peer, mode=MODE_IPC).inc()
+                return [part]
+    metrics.TRANSPORT_TENSORS.labels(peer=peer, mode=MODE_HOST).inc()
     return tensor_to_parts(tensor)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage wiring: per-session leases (producer), per-stream receivers (consumer), the Hello RPC
+
+
+class SessionLeases:
+    """The slots of one producer leased to one consumer session: `send` leases, `release` checks a release against
+    this session's leases, `close` takes back what the session still holds (thread-safe)."""
+
+    def __init__(self, producer: IpcProducer, peer: str):
+        self.producer, self.peer = producer, peer
+        self._held: set[tuple[int, int]] = set()  # (slot, generation) leased to this session
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def send(self, tensor: torch.Tensor) -> list[pb.TensorPart]:
+        """One IPC part for `tensor` (or host parts when it cannot go by IPC; see `send_tensor`)."""
+        parts = send_tensor(tensor, self.producer, self.peer)
+        if parts[0].WhichOneof("where") == "cuda":
+            with self._lock:
+                self._held.add((parts[0].cuda.slot, parts[0].cuda.generation))
+        metrics.IPC_LEASED_SLOTS.labels(peer=self.peer).set(self.producer.leased)
+        return parts
+
+    def release(self, message: pb.Release) -> None:
+        """Give back one slot this session holds; a release of anything else is an IpcError naming it."""
+        key = (message.slot, message.generation)
+        with self._lock:
+            if message.pool_id != self.producer.pool_id or key not in self._held:
+                where = "this producer's pool" if message.pool_id == self.producer.pool_id else "another pool"
+                raise IpcError(f"release of slot {message.slot} generation {message.generation} of {where}: this "
+                               f"session holds no such lease (stale, doubled or unknown; it holds "
+                               f"{sorted(self._held)})")
+            self.producer.release(message)
+            self._held.discard(key)
+        metrics.IPC_LEASED_SLOTS.labels(peer=self.peer).set(self.producer.leased)
+
+    def close(self) -> int:
+        """The session ended: take back every slot it still holds; returns how many."""
+        with self._lock:
+            held, self._held = self._held, set()
+        taken = sum(self.producer.ledger.reclaim(slot, gen) for slot, gen in held)
+        metrics.IPC_LEASED_SLOTS.labels(peer=self.peer).set(self.producer.leased)
+        return taken
+
+
+class IpcExporter:
+    """A producer stage's side of the transport: offers CUDA IPC from `device`, negotiates with each session's
+    consumer hello, creates its one pool lazily on the first IPC session and hands out `SessionLeases`.
+
+    `hello` and `make_producer(device, pool_bytes, num_slots)` default to this process and `IpcProducer`."""
+
+    def __init__(self, device: str, slot_bytes: int, num_slots: int, peer: str, *, enabled: bool = True,
+                 hello: Callable[[], pb.TransportHello] = local_hello,
+                 make_producer: Callable[[str, int, int], IpcProducer] = IpcProducer):
+        if not isinstance(slot_bytes, int) or slot_bytes < 1 or not isinstance(num_slots, int) or num_slots < 1:
+            raise IpcError(f"slot_bytes={slot_bytes!r} and num_slots={num_slots!r} must be positive ints")
+        self.device, self.slot_bytes, self.num_slots, self.peer = device, slot_bytes, num_slots, peer
+        self.offered = enabled and torch.device(device).type == "cuda"
+        """CUDA IPC is offered at all (enabled and the producer works on a CUDA device); if not, host bytes
+        are the plan, not a fallback, and are not counted as one."""
+        self._hello, self._make_producer = hello, make_producer
+        self._producer: IpcProducer | None = None
+        self._broken = ""  # why the pool could not be created (then every session falls back)
+        self._lock = threading.Lock()
+
+    @property
+    def producer(self) -> IpcProducer | None:
+        return self._producer
+
+    def session(self, consumer: pb.TransportHello) -> SessionLeases | None:
+        """The leases of a new session to `consumer`, or None when its tensors go as host bytes."""
+        if not self.offered:
+            return None
+        decision = negotiate(self._hello(), consumer, self.peer)
+        if decision.mode != MODE_IPC:
+            return None
+        producer = self._pool()
+        if producer is None:
+            count_fallback(self.peer, f"the CUDA IPC pool could not be created: {self._broken}")
+            return None
+        if producer.device_uuid not in consumer.gpu_uuids:
+            count_fallback(self.peer, f"the pool's GPU {producer.device_uuid} is not visible to the consumer")
+            return None
+        log.debug("CUDA IPC to %s: %s", self.peer, decision.reason)
+        return SessionLeases(producer, self.peer)
+
+    def _pool(self) -> IpcProducer | None:
+        with self._lock:
+            if self._producer is None and not self._broken:
+                try:
+                    self._producer = self._make_producer(self.device, self.slot_bytes * self.num_slots,
+                                                         self.num_slots)
+                except (IpcError, RuntimeError) as exc:  # e.g. out of memory: sessions use host bytes
+                    self._broken = str(exc)
+                    log.warning("CUDA IPC pool on %s not created, host bytes from now on: %s", self.device, exc)
+            return self._producer
+
+
+class TensorReceiver:
+    """One stream's tensors of one kind: host parts are assembled, a CUDA IPC part is copied out of its producer's
+    pool (onto `device`, default the pool's GPU) by the process-wide consumer that `consumer()` returns."""
+
+    def __init__(self, name: str, consumer: Callable[[], IpcConsumer], device: str | None = None):
+        self.name = name
+        self._assembler = TensorAssembler(name)
+        self._consumer, self._device = consumer, device
+        self._partial = False
+
+    def add(self, part: pb.TensorPart) -> tuple[torch.Tensor | None, pb.Release | None]:
+        """Take one part; returns (tensor, release) once the tensor is complete (release: None for host parts).
+
+        Blocking for CUDA IPC parts (a device copy): call it from a worker thread."""
+        if part.WhichOneof("where") != "cuda":
+            tensor = self._assembler.add(part)
+            self._partial = tensor is None
+            return tensor, None
+        if self._partial:
+            raise IpcError(f"{self.name}: a CUDA IPC part arrived in the middle of a host-part tensor")
+        try:
+            return self._consumer().open(part, self._device)
+        except (IpcError, RuntimeError) as exc:  # RuntimeError: torch refused a handle (e.g. a bad event handle)
+            raise IpcError(f"{self.name}: {exc}") from None
+
+
+class TransportServicer(transport_pb2_grpc.TransportServicer):
+    """Answers `Hello` with this process's `TransportHello` (computed once)."""
+
+    def __init__(self, hello: Callable[[], pb.TransportHello] = local_hello):
+        self._make, self._hello = hello, None
+
+    async def Hello(self, request: transport_pb2.HelloRequest, context: grpc.aio.ServicerContext):
+        if self._hello is None:
+            self._hello = self._make()
+        return self._hello
+
+
+def register_transport(server: grpc.aio.Server) -> None:
+    """Add the `vitascope.common.v1.Transport` servicer (the Hello RPC) to a stage's server."""
+    transport_pb2_grpc.add_TransportServicer_to_server(TransportServicer(), server)

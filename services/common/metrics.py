@@ -13,6 +13,12 @@ ACTIVE_SESSIONS = Gauge("vitascope_active_sessions", "Sessions this process is g
 TRANSPORT_FALLBACKS = Counter(
     "vitascope_transport_fallbacks_total", "Tensor transfers that used host bytes where CUDA IPC was offered",
     ["peer"])
+TRANSPORT_TENSORS = Counter(
+    "vitascope_transport_tensors_total", "Tensors sent to another stage, by transport mode (cuda_ipc or host)",
+    ["peer", "mode"])
+IPC_LEASED_SLOTS = Gauge(
+    "vitascope_ipc_leased_slots", "Slots of this process's CUDA IPC pool leased to a consumer and not yet released",
+    ["peer"])
 GPU_MEMORY = Gauge("vitascope_gpu_memory_bytes", "Bytes allocated by this process on each GPU", ["device"])
 
 

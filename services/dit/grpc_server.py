@@ -10,6 +10,13 @@ Flow control: a phase is generated only while fewer than `dit.max_phases_ahead` 
 than that far ahead of the VAE and a prompt update lands at the next request boundary after what the viewer
 has received. The first max_phases_ahead phases need no ack.
 
+Transport: `SessionStart.consumer` carries the VAE's `TransportHello` (the gateway asks the VAE's `Transport/Hello`).
+When the DiT's rank 0 runs on CUDA and the handshake picks CUDA IPC, the session's latents go as single
+`TensorPart(cuda=...)` parts leased from the one pool this process exports (`IpcExporter`, created on the first IPC
+session); the consumer gives each slot back with `StreamRequest.release` (relayed by the gateway from the VAE's
+`DecodeResponse.release_*`), and the slots a session still holds when it ends are taken back. A release of a slot
+the session does not hold fails that session only (INVALID_ARGUMENT). Otherwise, latents go as host-byte parts.
+
 Observability: every log line of a call carries `start.session_id` (and the trace id), worker threads
 included. The session's span arrives as `traceparent` call metadata (a new trace is started when the caller
 sent none); each phase gets a child span whose traceparent goes out in `PhaseMeta.trace`.
@@ -20,17 +27,19 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from services.common import tracing
 from services.common.config import DiTConfig
+from services.common.cuda_ipc import (IpcConsumer, IpcError, IpcExporter, SessionLeases, TensorReceiver,
+                                      register_transport, send_tensor)
 from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
 from services.common.media import AUDIO_SAMPLE_RATE
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
-from services.common.transport import TensorAssembler, tensor_to_parts
 from services.dit.api import PhaseOutput, PromptUpdate, SessionConfig
 from services.dit.runtime import StreamingSession
 from services.dit.service import DiTService
@@ -38,6 +47,9 @@ from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+CONSUMER = "vae"
+"""The peer label of the latents' consumer in the transport metrics."""
 
 
 class PhaseCredit:
@@ -89,13 +101,20 @@ class PhaseCredit:
 
 
 class RequestReader:
-    """Reads the request stream after `start`: assembles prompt parts into whole `PromptUpdate`s and hands
-    phase acks to the session's `PhaseCredit`."""
+    """Reads the request stream after `start`: assembles prompt parts into whole `PromptUpdate`s, hands
+    phase acks to the session's `PhaseCredit` and latent slot releases to its `SessionLeases` (None: host bytes).
 
-    def __init__(self, requests: AsyncIterator[dit_pb2.StreamRequest], credit: PhaseCredit):
+    A CUDA IPC prompt part is copied out of the encoder's pool into host memory (the same tensor the host path
+    gives) by `consumer()`, the process's IpcConsumer; its release waits in `prompt_releases` for the response
+    stream. Without `consumer`, only host parts are accepted."""
+
+    def __init__(self, requests: AsyncIterator[dit_pb2.StreamRequest], credit: PhaseCredit,
+                 leases: SessionLeases | None = None, consumer: Callable[[], IpcConsumer] | None = None):
         self._requests = requests
         self._credit = credit
-        self._assembler = TensorAssembler("prompt embedding")
+        self._leases = leases
+        self._receiver = TensorReceiver("prompt embedding", consumer or _no_ipc_consumer, "cpu")
+        self.prompt_releases: collections.deque[tensor_pb2.Release] = collections.deque()
 
     async def next_prompt(self) -> tuple[PromptUpdate, int] | None:
         """The next complete prompt and its role (acks on the way are applied), or None at the stream's end."""
@@ -103,13 +122,22 @@ class RequestReader:
             kind = request.WhichOneof("kind")
             if kind == "ack":
                 self._credit.ack(request.ack.request_index, request.ack.phase_index)
+            elif kind == "release":
+                if self._leases is None:
+                    raise IpcError(f"release of slot {request.release.slot}: this session's latents go as host "
+                                   "bytes, it holds no CUDA IPC slot")
+                self._leases.release(request.release)
             elif kind == "prompt":
                 part = request.prompt
-                embedding = self._assembler.add(part.embedding)
+                if part.embedding.WhichOneof("where") == "cuda":
+                    embedding, release = await asyncio.to_thread(self._receiver.add, part.embedding)
+                    self.prompt_releases.append(release)
+                else:
+                    embedding, _ = self._receiver.add(part.embedding)
                 if embedding is not None:
                     return PromptUpdate(embedding=embedding.float(), event_id=part.event_id), part.role
             else:
-                raise SequenceMismatch(f"expected a prompt part or a phase ack, got {kind}")
+                raise SequenceMismatch(f"expected a prompt part, a phase ack or a release, got {kind}")
         return None
 
     async def run(self, session: StreamingSession) -> None:
@@ -123,8 +151,27 @@ class RequestReader:
         self._credit.close()
 
 
-def phase_messages(out: PhaseOutput, span: tracing.SpanContext) -> list[dit_pb2.StreamResponse]:
-    """The response messages of one phase (whose span is `span`), in wire order."""
+def _no_ipc_consumer() -> IpcConsumer:
+    raise IpcError("this reader takes host parts only")
+
+
+def release_messages(reader: RequestReader) -> list[dit_pb2.StreamResponse]:
+    """The prompt releases waiting to go out (emptied)."""
+    messages = []
+    while reader.prompt_releases:
+        messages.append(dit_pb2.StreamResponse(prompt_release=reader.prompt_releases.popleft()))
+    return messages
+
+
+def host_parts(tensor) -> list[tensor_pb2.TensorPart]:
+    """Host-byte parts of one latent tensor for the VAE (counted as such)."""
+    return send_tensor(tensor, None, CONSUMER)
+
+
+def phase_messages(out: PhaseOutput, span: tracing.SpanContext,
+                   send: Callable[..., list[tensor_pb2.TensorPart]] = host_parts) -> list[dit_pb2.StreamResponse]:
+    """The response messages of one phase (whose span is `span`), in wire order; `send` turns a latent tensor into
+    parts (host bytes, or `SessionLeases.send` for CUDA IPC; blocking, a device copy)."""
     m, t = out.meta, out.meta.timings
     meta = dit_pb2.PhaseMeta(
         request_index=m.request_index, phase_index=m.phase_index, num_frames=m.num_frames,
@@ -137,8 +184,8 @@ def phase_messages(out: PhaseOutput, span: tracing.SpanContext) -> list[dit_pb2.
         first_of_request=m.phase_index == 0,
         trace=tensor_pb2.TraceContext(traceparent=span.traceparent))
     return ([dit_pb2.StreamResponse(meta=meta)]
-            + [dit_pb2.StreamResponse(video=p) for p in tensor_to_parts(out.video)]
-            + [dit_pb2.StreamResponse(audio=p) for p in tensor_to_parts(out.audio)]
+            + [dit_pb2.StreamResponse(video=p) for p in send(out.video)]
+            + [dit_pb2.StreamResponse(audio=p) for p in send(out.audio)]
             + [dit_pb2.StreamResponse(phase_end=dit_pb2.PhaseEnd())])
 
 
@@ -161,16 +208,34 @@ def _cancel_opened(opening: asyncio.Future) -> None:
         opening.result().cancel()
 
 
+def latent_exporter(cfg: DiTConfig) -> IpcExporter:
+    """The process's CUDA IPC exporter of latents to the VAE, from the profile (a pool on rank 0's device)."""
+    return IpcExporter(cfg.devices[0], cfg.ipc_slot_mib << 20, cfg.ipc_pool_slots, CONSUMER, enabled=cfg.cuda_ipc)
+
+
 class DiTServicer(dit_pb2_grpc.DiTServicer):
     """`max_phases_ahead`: flow-control window; None takes the service profile's `dit.max_phases_ahead`
-    (the DiTConfig default for a service without a profile)."""
+    (the DiTConfig default for a service without a profile). `exporter`: how latents reach the VAE; None builds
+    it from the same config (`latent_exporter`). `consumer`: makes the process's IpcConsumer of prompt
+    embeddings (default `IpcConsumer`)."""
 
-    def __init__(self, service: DiTService, max_phases_ahead: int | None = None):
+    def __init__(self, service: DiTService, max_phases_ahead: int | None = None,
+                 exporter: IpcExporter | None = None, consumer: Callable[[], IpcConsumer] | None = None):
         self.service = service
-        if max_phases_ahead is None:
-            profile = getattr(service, "profile", None)
-            max_phases_ahead = (profile.dit if profile is not None else DiTConfig()).max_phases_ahead
-        self.max_phases_ahead = max_phases_ahead
+        profile = getattr(service, "profile", None)
+        cfg = profile.dit if profile is not None else DiTConfig()
+        self.max_phases_ahead = cfg.max_phases_ahead if max_phases_ahead is None else max_phases_ahead
+        self.exporter = latent_exporter(cfg) if exporter is None else exporter
+        self._consumer_factory = consumer or IpcConsumer
+        self._consumer: IpcConsumer | None = None
+        self._consumer_lock = threading.Lock()
+
+    def consumer(self) -> IpcConsumer:
+        """The process's IPC consumer of prompt embeddings (created on the first CUDA IPC prompt part)."""
+        with self._consumer_lock:
+            if self._consumer is None:
+                self._consumer = self._consumer_factory()
+            return self._consumer
 
     async def _open(self, start: dit_pb2.SessionStart, reader: RequestReader) -> StreamingSession:
         prompt = await reader.next_prompt()
@@ -202,24 +267,35 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         session_span = tracing.continue_trace(tracing.metadata_traceparent(context.invocation_metadata()))
         with log_context(session_id=first.start.session_id or None, trace_id=session_span.trace_id):
             credit = PhaseCredit(self.max_phases_ahead)
-            reader = RequestReader(request_iterator, credit)
+            leases = None
             try:
+                leases = await asyncio.to_thread(self.exporter.session, first.start.consumer)
+                reader = RequestReader(request_iterator, credit, leases, self.consumer)
                 session = await self._open(first.start, reader)
             except Exception as exc:  # the boundary: every failure becomes a status
+                self._end_leases(leases)
                 await abort_with(context, exc)
                 return
+            send = host_parts if leases is None else leases.send
             ACTIVE_SESSIONS.inc()
             log.info("session started: %dx%d", session.canvas.width, session.canvas.height)
             requests = asyncio.create_task(reader.run(session))
             try:
                 yield dit_pb2.StreamResponse(started=dit_pb2.Started(
                     kv_capacity_rows=session.kv.capacity if session.kv is not None else 0))
-                while await credit.acquire():
+                while True:
+                    for message in release_messages(reader):  # prompt slots copied out since the last phase
+                        yield message
+                    if not await credit.acquire():
+                        break
+                    for message in release_messages(reader):  # ... and while waiting for the credit
+                        yield message
                     out = await asyncio.to_thread(session.next_phase)
                     span = session_span.child()
                     observe(out, span)
+                    messages = await asyncio.to_thread(phase_messages, out, span, send)
                     credit.sent(out.meta.request_index, out.meta.phase_index)
-                    for message in phase_messages(out, span):
+                    for message in messages:
                         yield message
                 log.info("session ended: the client closed its request stream")
             except asyncio.CancelledError:
@@ -232,9 +308,17 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await requests
                 session.cancel()
+                self._end_leases(leases)
                 ACTIVE_SESSIONS.dec()
+
+    @staticmethod
+    def _end_leases(leases: SessionLeases | None) -> None:
+        """Take back the CUDA IPC slots an ended session still holds (its consumer will not release them)."""
+        if leases is not None and (taken := leases.close()):
+            log.info("session ended holding %d CUDA IPC slot(s): taken back", taken)
 
 
 def register(server: grpc.aio.Server, service: DiTService) -> None:
-    """Add the dit servicer to a server."""
+    """Add the dit servicer (and the Transport/Hello servicer) to a server."""
     dit_pb2_grpc.add_DiTServicer_to_server(DiTServicer(service), server)
+    register_transport(server)

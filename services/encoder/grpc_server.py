@@ -1,5 +1,12 @@
 """gRPC mapping of the encoder stage: EncodeRequest ⇄ EncoderService.encode. Nothing else lives here.
 
+Transport: `EncodeRequest.consumer` carries the DiT's `TransportHello` (the gateway asks the DiT's
+`Transport/Hello`). When the encoder runs on CUDA and the handshake picks CUDA IPC, the embedding goes as one
+`TensorPart(cuda=...)` leased from the one pool this process exports (created on the first such request); the slot
+comes back through the `Release` RPC (the DiT emits `StreamResponse.prompt_release` once it has copied the embedding
+out and the gateway passes it on, or the gateway gives back what a session that ended never had copied). A stale or
+unknown release is INVALID_ARGUMENT. Otherwise, and for an embedding that does not fit, host-byte parts.
+
 Observability: each call logs with `session_id` and the caller's span from `EncodeRequest.trace` (a new trace
 when absent), and records its seconds as stage `text`. Prompts are logged by length and hash only.
 """
@@ -12,14 +19,19 @@ import logging
 import grpc
 
 from services.common import tracing
+from services.common.config import EncoderConfig
+from services.common.cuda_ipc import IpcError, IpcExporter, register_transport, send_tensor
 from services.common.errors import abort_with
 from services.common.logging_setup import log_context
-from services.common.metrics import STAGE_LATENCY, record_gpu_memory
-from services.common.transport import tensor_to_parts
+from services.common.metrics import IPC_LEASED_SLOTS, STAGE_LATENCY, record_gpu_memory
 from services.encoder.service import EncoderService
+from vitascope.common.v1 import tensor_pb2
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+CONSUMER = "dit"
+"""The peer label of the embeddings' consumer in the transport metrics."""
 
 
 def prompt_fields(prompt: str) -> dict[str, object]:
@@ -27,15 +39,29 @@ def prompt_fields(prompt: str) -> dict[str, object]:
     return {"prompt_chars": len(prompt), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:12]}
 
 
+def embedding_exporter(cfg: EncoderConfig) -> IpcExporter:
+    """The process's CUDA IPC exporter of embeddings to the DiT, from the profile (a pool on `encoder.device`)."""
+    return IpcExporter(cfg.device, cfg.ipc_slot_mib << 20, cfg.ipc_slots, CONSUMER, enabled=cfg.cuda_ipc)
+
+
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, service: EncoderService):
+    """`exporter`: how embeddings reach the DiT; None builds it from the service profile's encoder section (the
+    EncoderConfig defaults for a service without a profile)."""
+
+    def __init__(self, service: EncoderService, exporter: IpcExporter | None = None):
         self.service = service
+        profile = getattr(service, "profile", None)
+        cfg = profile.encoder if profile is not None else EncoderConfig()
+        self.exporter = embedding_exporter(cfg) if exporter is None else exporter
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
         span = tracing.continue_trace(request.trace.traceparent)
         with log_context(session_id=request.session_id or None, **span.log_fields()):
             try:
                 encoded = await asyncio.to_thread(self.service.encode, request.prompt)
+                leases = await asyncio.to_thread(self.exporter.session, request.consumer)
+                send = leases.send if leases is not None else lambda t: send_tensor(t, None, CONSUMER)
+                parts = await asyncio.to_thread(send, encoded.embedding)
             except Exception as exc:  # the one boundary where every failure becomes a status
                 await abort_with(context, exc)
                 return
@@ -45,11 +71,24 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             log.info("prompt encoded: %d tokens in %.3f s", num_tokens, encoded.seconds,
                      extra={**prompt_fields(request.prompt), "num_tokens": num_tokens,
                             "encode_s": round(encoded.seconds, 4)})
-            for part in tensor_to_parts(encoded.embedding):
+            for part in parts:
                 yield encoder_pb2.EncodeResponse(embedding=part, num_tokens=num_tokens,
                                                  encode_seconds=encoded.seconds)
 
+    async def Release(self, request: tensor_pb2.Release, context: grpc.aio.ServicerContext):
+        producer = self.exporter.producer
+        try:
+            if producer is None:
+                raise IpcError(f"release of slot {request.slot}: this encoder has exported no CUDA IPC pool")
+            producer.release(request)
+        except Exception as exc:  # the boundary: every failure becomes a status
+            await abort_with(context, exc)
+            return
+        IPC_LEASED_SLOTS.labels(peer=CONSUMER).set(producer.leased)
+        return encoder_pb2.ReleaseReply()
+
 
 def register(server: grpc.aio.Server, service: EncoderService) -> None:
-    """Add the encoder servicer to a server."""
+    """Add the encoder servicer (and the Transport/Hello servicer) to a server."""
     encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(service), server)
+    register_transport(server)

@@ -16,6 +16,16 @@ Stop: `cancel()` cancels the DiT call, lets the pump finish and closes the VAE's
 returns the chunks of the phases it already has and the muxer's closing bytes, which `chunks()` yields as a
 `kind="trailer"` chunk before it ends. A VAE that does not finish within `drain_timeout_s` is cancelled.
 
+Transport handshake: the gateway asks the VAE once for its `TransportHello` (`vitascope.common.v1.Transport/Hello`,
+cached; asked again after the VAE was seen down) and puts it in `SessionStart.consumer`, so the DiT can choose CUDA
+IPC or host bytes for the latents. The VAE gives each CUDA IPC slot back in `DecodeResponse.release_video` /
+`release_audio`; `chunks()` relays them into the DiT stream as `StreamRequest.release`, before that phase's ack.
+A VAE without the Hello RPC, or `cuda_ipc=False`, gets an empty hello: host bytes.
+Likewise the DiT's hello goes to the encoder in `EncodeRequest.consumer`; an embedding sent as a CUDA IPC part
+holds a slot of the encoder's pool until the DiT reports it copied out (`StreamResponse.prompt_release`), which the
+pump passes on to the encoder's `Release`; the slots of embeddings the DiT never took (a session that failed to
+open, an update that could not be written, a DiT stream that ended) are given back by the gateway itself.
+
 Trace context: `start()` opens a new trace per session (services/common/tracing.py). Its root span goes to
 the DiT and VAE calls as `traceparent` metadata, each prompt encode sends a child span in
 `EncodeRequest.trace`, and each phase's span, made by the DiT in `PhaseMeta.trace`, is forwarded to the VAE in
@@ -45,7 +55,7 @@ from services.gateway.pipeline import (
     SessionRequest,
     StageTimings,
 )
-from vitascope.common.v1 import tensor_pb2
+from vitascope.common.v1 import tensor_pb2, transport_pb2, transport_pb2_grpc
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
@@ -69,11 +79,16 @@ def pipeline_error(stage: str, exc: grpc.RpcError) -> PipelineError:
 class GrpcPipeline(Pipeline):
     """Connects to the three stage services; one channel per stage, shared by all sessions."""
 
-    def __init__(self, encoder_addr: str, dit_addr: str, vae_addr: str, drain_timeout_s: float = 5.0):
+    def __init__(self, encoder_addr: str, dit_addr: str, vae_addr: str, drain_timeout_s: float = 5.0,
+                 cuda_ipc: bool = True):
         if drain_timeout_s <= 0:
             raise ValueError(f"drain_timeout_s={drain_timeout_s}: must be > 0")
         self.drain_timeout_s = drain_timeout_s
         """After cancel(): how long the VAE may take to return its last chunks and the trailer."""
+        self.cuda_ipc = cuda_ipc
+        """Hand the VAE's hello to the DiT and the DiT's to the encoder (CUDA IPC where two stages share a GPU);
+        False: empty hellos, always host bytes."""
+        self._hellos: dict[str, tensor_pb2.TransportHello] = {}
         self._channels = {
             name: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
             for name, addr in (("encoder", encoder_addr), ("dit", dit_addr), ("vae", vae_addr))
@@ -89,24 +104,61 @@ class GrpcPipeline(Pipeline):
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=HEALTH_NAMES[name]), timeout=2)
             except grpc.RpcError:
+                self._hellos.pop(name, None)  # it may come back as another process
                 return False
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                self._hellos.pop(name, None)
                 return False
         return True
 
+    async def transport_hello(self, name: str) -> tensor_pb2.TransportHello:
+        """The `TransportHello` of stage `name` (cached); empty (host bytes) when IPC is off or the stage has no
+        Hello RPC or cannot be asked right now."""
+        if not self.cuda_ipc:
+            return tensor_pb2.TransportHello()
+        hello = self._hellos.get(name)
+        if hello is None:
+            stub = transport_pb2_grpc.TransportStub(self._channels[name])
+            try:
+                hello = await stub.Hello(transport_pb2.HelloRequest(), timeout=2)
+            except grpc.RpcError as exc:
+                log.info("%s: no transport hello (%s): host bytes", name, exc.code().name)
+                return tensor_pb2.TransportHello()
+            log.info("%s transport hello: pid %d, %d GPU(s)", name, hello.pid, len(hello.gpu_uuids))
+            self._hellos[name] = hello
+        return hello
+
     async def encode(self, session_id: str, prompt: str,
                      span: tracing.SpanContext | None = None) -> tuple[list, float]:
-        """Embedding parts of one prompt and the seconds the encoder took (`span`: this encode's span)."""
+        """Embedding parts of one prompt and the seconds the encoder took (`span`: this encode's span). A CUDA IPC
+        part holds an encoder slot: whoever drops it unsent must `release_embeddings` it."""
         parts, seconds = [], 0.0
         trace = tensor_pb2.TraceContext(traceparent=span.traceparent if span is not None else "")
-        request = encoder_pb2.EncodeRequest(session_id=session_id, prompt=prompt, trace=trace)
+        request = encoder_pb2.EncodeRequest(session_id=session_id, prompt=prompt, trace=trace,
+                                            consumer=await self.transport_hello("dit"))
         try:
             async for reply in self.encoder.Encode(request):
                 parts.append(reply.embedding)
                 seconds = reply.encode_seconds or seconds
         except grpc.RpcError as exc:
+            await self.release_embeddings(parts)
             raise pipeline_error("encoder", exc) from None
         return parts, seconds
+
+    async def release_embeddings(self, parts: list) -> None:
+        """Give the encoder back the CUDA IPC slots of embedding parts (host parts hold none). A release the encoder
+        refuses (stale: it restarted, or the slot was already given back) is logged, not raised."""
+        for part in parts:
+            if part.WhichOneof("where") == "cuda":
+                await self.release_embedding(tensor_pb2.Release(
+                    pool_id=part.cuda.pool_id, slot=part.cuda.slot, generation=part.cuda.generation))
+
+    async def release_embedding(self, release: tensor_pb2.Release) -> None:
+        """Give one encoder slot back (see `release_embeddings`)."""
+        try:
+            await self.encoder.Release(release, timeout=2)
+        except grpc.RpcError as exc:
+            log.info("encoder slot %d not given back: %s", release.slot, exc.details() or exc.code().name)
 
     async def start(self, request: SessionRequest) -> PipelineSession:
         """Encode the first prompt, open the DiT and VAE streams, and wait for the DiT to accept."""
@@ -114,10 +166,14 @@ class GrpcPipeline(Pipeline):
         log.info("session %s: trace %s", request.request_id, trace.trace_id, extra=trace.log_fields())
         parts, text_seconds = await self.encode(request.request_id, request.prompt, trace.child())
         fallback = None
-        if request.hold.enabled and request.hold.fallback_prompt:
-            fallback, _ = await self.encode(request.request_id, request.hold.fallback_prompt, trace.child())
-        session = GrpcSession(self, request, text_seconds, trace)
-        await session.open(parts, fallback)
+        try:
+            if request.hold.enabled and request.hold.fallback_prompt:
+                fallback, _ = await self.encode(request.request_id, request.hold.fallback_prompt, trace.child())
+            session = GrpcSession(self, request, text_seconds, trace, await self.transport_hello("vae"))
+            await session.open(parts, fallback)
+        except BaseException:  # the DiT gives back no prompt slot of a session that did not start: do it here
+            await asyncio.shield(self.release_embeddings(parts + (fallback or [])))
+            raise
         return session
 
     async def close(self) -> None:
@@ -130,9 +186,10 @@ class GrpcSession(PipelineSession):
     """One session's DiT and VAE calls and the pump between them."""
 
     def __init__(self, pipeline: GrpcPipeline, request: SessionRequest, text_seconds: float,
-                 trace: tracing.SpanContext):
+                 trace: tracing.SpanContext, vae_hello: tensor_pb2.TransportHello | None = None):
         self.pipeline = pipeline
         self.request = request
+        self.vae_hello = vae_hello or tensor_pb2.TransportHello()  # goes to the DiT in SessionStart.consumer
         self.trace = trace  # the session's root span; the DiT's phase spans are its children
         self._text_seconds = collections.deque([text_seconds])
         self._metas: collections.deque = collections.deque()
@@ -143,6 +200,7 @@ class GrpcSession(PipelineSession):
         self._cancelled = False
         self._drain_timer: asyncio.TimerHandle | None = None
         self._last_meta: dit_pb2.PhaseMeta | None = None
+        self._prompt_slots: dict[tuple[str, int, int], tensor_pb2.Release] = {}  # sent to the DiT, not yet copied
 
     async def open(self, parts: list, fallback: list | None) -> None:
         """Send start and prompts to the DiT and wait for its `started` reply; open the VAE stream."""
@@ -162,7 +220,8 @@ class GrpcSession(PipelineSession):
                             has_fallback_prompt=fallback is not None)
         try:
             await self._dit_call.write(dit_pb2.StreamRequest(start=dit_pb2.SessionStart(
-                session_id=req.request_id, seed=req.seed, width=req.width, height=req.height, hold=hold)))
+                session_id=req.request_id, seed=req.seed, width=req.width, height=req.height, hold=hold,
+                consumer=self.vae_hello)))
             await self._write_prompt("", parts, dit_pb2.PROMPT_ROLE_ACTIVE)
             if fallback is not None:
                 await self._write_prompt("", fallback, dit_pb2.PROMPT_ROLE_FALLBACK)
@@ -184,6 +243,29 @@ class GrpcSession(PipelineSession):
             for part in parts:
                 await self._dit_call.write(dit_pb2.StreamRequest(
                     prompt=dit_pb2.PromptPart(event_id=event_id, role=role, embedding=part)))
+                if part.WhichOneof("where") == "cuda":
+                    ref = part.cuda
+                    self._prompt_slots[(ref.pool_id, ref.slot, ref.generation)] = tensor_pb2.Release(
+                        pool_id=ref.pool_id, slot=ref.slot, generation=ref.generation)
+        if self._pump is not None and self._pump.done():  # the DiT stream ended meanwhile: it will not copy it
+            await self._release_prompt_slots()
+
+    async def _prompt_copied(self, release: tensor_pb2.Release) -> None:
+        """The DiT copied an embedding out of the encoder's pool: give the slot back to the encoder."""
+        self._prompt_slots.pop((release.pool_id, release.slot, release.generation), None)
+        await self.pipeline.release_embedding(release)
+
+    async def _drop_parts(self, parts: list) -> None:
+        """Embedding parts that never reached the DiT: give their encoder slots back (host parts hold none)."""
+        cuda = [part for part in parts if part.WhichOneof("where") == "cuda"]
+        if cuda:
+            await self.pipeline.release_embeddings(cuda)
+
+    async def _release_prompt_slots(self) -> None:
+        """Give the encoder back every slot of an embedding the DiT has not reported copied (its stream ended)."""
+        releases, self._prompt_slots = list(self._prompt_slots.values()), {}
+        for release in releases:
+            await self.pipeline.release_embedding(release)
 
     async def _pump_dit_to_vae(self) -> None:
         """Forward each phase's latents from the DiT stream to the VAE stream."""
@@ -200,9 +282,12 @@ class GrpcSession(PipelineSession):
                     meta = self._metas[-1]
                     await self._vae_call.write(vae_pb2.DecodeRequest(phase_end=vae_pb2.PhaseEnd(
                         request_index=meta.request_index, phase_index=meta.phase_index, trace=meta.trace)))
+                elif kind == "prompt_release":
+                    await self._prompt_copied(reply.prompt_release)
         finally:
             with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
                 await self._vae_call.done_writing()
+            await asyncio.shield(self._release_prompt_slots())
 
     async def chunks(self) -> AsyncIterator[MediaChunk]:
         """Yield one MediaChunk per phase, in order, until the session ends; after cancel(), the chunks the VAE
@@ -210,6 +295,9 @@ class GrpcSession(PipelineSession):
         data = bytearray()
         try:
             while (reply := await self._vae_call.read()) is not grpc.aio.EOF:
+                for field in ("release_video", "release_audio"):
+                    if reply.HasField(field):
+                        await self._relay_release(getattr(reply, field))
                 data += reply.data
                 if not reply.last:
                     continue
@@ -261,19 +349,28 @@ class GrpcSession(PipelineSession):
                           audio_sample_rate=(meta.audio_sample_rate if meta else 0) or AUDIO_SAMPLE_RATE,
                           kind="trailer")
 
+    async def _relay_release(self, release: tensor_pb2.Release) -> None:
+        """Give a CUDA IPC slot the VAE has finished with back to the DiT. A DiT call that already ended took its
+        slots back itself, so a release that cannot be sent is not an error."""
+        await self._write_dit(dit_pb2.StreamRequest(release=release), f"release of slot {release.slot}")
+
     async def _ack(self, meta: dit_pb2.PhaseMeta) -> None:
         """Tell the DiT this phase is decoded (flow control). A DiT call that already ended is not an error
         here: the pump reports how the DiT stream ended."""
-        if self._cancelled:
-            return
         ack = dit_pb2.StreamRequest(ack=dit_pb2.PhaseAck(request_index=meta.request_index,
                                                         phase_index=meta.phase_index))
+        await self._write_dit(ack, f"ack {meta.request_index}.{meta.phase_index}")
+
+    async def _write_dit(self, message: dit_pb2.StreamRequest, what: str) -> None:
+        """Write one flow-control message to the DiT unless the session was cancelled or the call has ended."""
+        if self._cancelled:
+            return
         try:
             async with self._dit_lock:
                 if not self._cancelled:
-                    await self._dit_call.write(ack)
+                    await self._dit_call.write(message)
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-            log.debug("ack %d.%d not sent: %s", meta.request_index, meta.phase_index, exc)
+            log.debug("%s not sent: %s", what, exc)
         except asyncio.CancelledError:
             # Writing to a call cancelled meanwhile raises CancelledError; only our own task's cancel propagates.
             if asyncio.current_task().cancelling():
@@ -304,8 +401,10 @@ class GrpcSession(PipelineSession):
         try:
             await self._write_prompt(event_id, parts, dit_pb2.PROMPT_ROLE_ACTIVE)
         except grpc.RpcError as exc:
+            await self._drop_parts(parts)
             raise pipeline_error("dit", exc) from None
         except asyncio.InvalidStateError:  # grpc.aio: writing to a call that has finished or half-closed
+            await self._drop_parts(parts)
             raise PipelineError("dit: the session's stream has already ended") from None
 
     async def cancel(self) -> None:

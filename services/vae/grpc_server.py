@@ -4,6 +4,13 @@ When the client closes its request stream, the muxer is closed and its closing b
 with `trailer` set (the AAC encoder's held-back audio); a phase whose phase_end never came is dropped.
 Cancelling the call drops everything.
 
+Transport: latent parts are host bytes or CUDA IPC references into the DiT's exported pool (`TensorPart.cuda`).
+A CUDA IPC part is copied out at once (onto `vae.device` when that is a GPU) by the process's one `IpcConsumer`,
+and the slot's `Release` goes back on the FIRST response message of that phase's chunk
+(`DecodeResponse.release_video` / `release_audio`), which the gateway relays to the DiT. A malformed reference
+fails that call only (INVALID_ARGUMENT). `DecodeStart.consumer` is not used: the VAE consumes, it does not
+produce tensors. The server also answers `vitascope.common.v1.Transport/Hello` with this process's hello.
+
 Observability: every log line of a call carries `start.session_id` and the session's trace id (from the
 `traceparent` call metadata, or a new trace when absent); each chunk's line also carries the DiT phase's
 span from `PhaseEnd.trace` with its decode and mux seconds.
@@ -12,35 +19,68 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from collections.abc import Callable
 
 import grpc
 
 from services.common import tracing
+from services.common.cuda_ipc import IpcConsumer, TensorReceiver, register_transport
 from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
-from services.common.transport import MAX_PART_BYTES, TensorAssembler
+from services.common.transport import MAX_PART_BYTES
 from services.vae.service import Chunk, VAEService
+from vitascope.common.v1 import tensor_pb2
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def chunk_messages(index: int, chunk: Chunk, *, trailer: bool = False) -> list[vae_pb2.DecodeResponse]:
+def chunk_messages(index: int, chunk: Chunk, *, trailer: bool = False,
+                   release_video: tensor_pb2.Release | None = None,
+                   release_audio: tensor_pb2.Release | None = None) -> list[vae_pb2.DecodeResponse]:
     """One chunk's bytes as responses of at most 1 MiB; `last` marks the final one, `trailer` the muxer's
-    closing bytes."""
+    closing bytes. The phase's CUDA IPC releases (if any) ride on the first response."""
     pieces = [chunk.data[i:i + MAX_PART_BYTES] for i in range(0, len(chunk.data), MAX_PART_BYTES)] or [b""]
-    return [vae_pb2.DecodeResponse(
+    messages = [vae_pb2.DecodeResponse(
         data=piece, last=i == len(pieces) - 1, chunk_index=index, num_frames=chunk.num_frames,
         num_audio_samples=chunk.num_audio_samples, video_decode_seconds=chunk.video_decode_seconds,
         audio_decode_seconds=chunk.audio_decode_seconds, mux_seconds=chunk.mux_seconds, trailer=trailer)
         for i, piece in enumerate(pieces)]
+    if release_video is not None:
+        messages[0].release_video.CopyFrom(release_video)
+    if release_audio is not None:
+        messages[0].release_audio.CopyFrom(release_audio)
+    return messages
 
 
 class VAEServicer(vae_pb2_grpc.VAEServicer):
-    def __init__(self, service: VAEService):
+    """`consumer`: returns the process's one `IpcConsumer` (created on the first CUDA IPC part; it opens each
+    producer's pool once)."""
+
+    def __init__(self, service: VAEService, consumer: Callable[[], IpcConsumer] | None = None):
         self.service = service
+        self._consumer_factory = consumer or IpcConsumer
+        self._consumer: IpcConsumer | None = None
+        self._consumer_lock = threading.Lock()
+        profile = getattr(service, "profile", None)
+        device = profile.vae.device if profile is not None else "cpu"
+        self._device = device if device.startswith("cuda") else None  # IPC latents are copied onto the decoder's GPU
+
+    def consumer(self) -> IpcConsumer:
+        """The process's IPC consumer (created on first use)."""
+        with self._consumer_lock:
+            if self._consumer is None:
+                self._consumer = self._consumer_factory()
+            return self._consumer
+
+    async def _receive(self, receiver: TensorReceiver, part: tensor_pb2.TensorPart):
+        """(tensor or None, release or None) of one part; IPC parts are copied out in a worker thread."""
+        if part.WhichOneof("where") == "cuda":
+            return await asyncio.to_thread(receiver.add, part)
+        return receiver.add(part)
 
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         ACTIVE_SESSIONS.inc()
@@ -54,23 +94,29 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                 session = await asyncio.to_thread(self.service.open, s.width, s.height, s.fps or VIDEO_FPS,
                                                   s.sample_rate or AUDIO_SAMPLE_RATE)
                 log.info("decode session opened: %dx%d", s.width, s.height)
-                video_parts, audio_parts = TensorAssembler("video latents"), TensorAssembler("audio latents")
-                video = audio = None
+                video_parts = TensorReceiver("video latents", self.consumer, self._device)
+                audio_parts = TensorReceiver("audio latents", self.consumer, self._device)
+                video = audio = video_release = audio_release = None
                 index = 0
                 async for request in request_iterator:
                     kind = request.WhichOneof("kind")
                     if kind == "video":
-                        video = video_parts.add(request.video) if video is None else _twice("video")
+                        if video is not None:
+                            _twice("video")
+                        video, video_release = await self._receive(video_parts, request.video)
                     elif kind == "audio":
-                        audio = audio_parts.add(request.audio) if audio is None else _twice("audio")
+                        if audio is not None:
+                            _twice("audio")
+                        audio, audio_release = await self._receive(audio_parts, request.audio)
                     elif kind == "phase_end":
                         if video is None or audio is None:
                             raise SequenceMismatch("phase_end before the phase's video and audio latents")
                         chunk = await asyncio.to_thread(session.phase, video.float(), audio.float())
                         observe(index, request.phase_end, chunk)
-                        for message in chunk_messages(index, chunk):
+                        for message in chunk_messages(index, chunk, release_video=video_release,
+                                                      release_audio=audio_release):
                             yield message
-                        index, video, audio = index + 1, None, None
+                        index, video, audio, video_release, audio_release = index + 1, None, None, None, None
                     else:
                         raise SequenceMismatch(f"unexpected {kind} after start")
                 if video is not None or audio is not None:
@@ -113,5 +159,6 @@ def _twice(what: str):
 
 
 def register(server: grpc.aio.Server, service: VAEService) -> None:
-    """Add the vae servicer to a server."""
+    """Add the vae servicer (and the Transport/Hello servicer) to a server."""
     vae_pb2_grpc.add_VAEServicer_to_server(VAEServicer(service), server)
+    register_transport(server)

@@ -105,18 +105,20 @@ class PhaseMeta(_message.Message):
     def __init__(self, request_index: _Optional[int] = ..., phase_index: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_audio_samples: _Optional[int] = ..., audio_sample_rate: _Optional[int] = ..., started_event_ids: _Optional[_Iterable[str]] = ..., active_event_ids: _Optional[_Iterable[str]] = ..., completed_event_ids: _Optional[_Iterable[str]] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., first_of_request: _Optional[bool] = ..., trace: _Optional[_Union[_tensor_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("meta", "video", "audio", "phase_end", "started")
+    __slots__ = ("meta", "video", "audio", "phase_end", "started", "prompt_release")
     META_FIELD_NUMBER: _ClassVar[int]
     VIDEO_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     PHASE_END_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_RELEASE_FIELD_NUMBER: _ClassVar[int]
     meta: PhaseMeta
     video: _tensor_pb2.TensorPart
     audio: _tensor_pb2.TensorPart
     phase_end: PhaseEnd
     started: Started
-    def __init__(self, meta: _Optional[_Union[PhaseMeta, _Mapping]] = ..., video: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., audio: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., phase_end: _Optional[_Union[PhaseEnd, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ...) -> None: ...
+    prompt_release: _tensor_pb2.Release
+    def __init__(self, meta: _Optional[_Union[PhaseMeta, _Mapping]] = ..., video: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., audio: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., phase_end: _Optional[_Union[PhaseEnd, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., prompt_release: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ...) -> None: ...
 
 class PhaseEnd(_message.Message):
     __slots__ = ()

@@ -27,3 +27,7 @@ class EncodeResponse(_message.Message):
     num_tokens: int
     encode_seconds: float
     def __init__(self, embedding: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., num_tokens: _Optional[int] = ..., encode_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from vitascope.common.v1 import tensor_pb2 as vitascope_dot_common_dot_v1_dot_tensor__pb2
 from vitascope.encoder.v1 import encoder_pb2 as vitascope_dot_encoder_dot_v1_dot_encoder__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -39,6 +40,11 @@ class EncoderStub:
                 request_serializer=vitascope_dot_encoder_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=vitascope_dot_encoder_dot_v1_dot_encoder__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/vitascope.encoder.v1.Encoder/Release',
+                request_serializer=vitascope_dot_common_dot_v1_dot_tensor__pb2.Release.SerializeToString,
+                response_deserializer=vitascope_dot_encoder_dot_v1_dot_encoder__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer:
@@ -51,6 +57,13 @@ class EncoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Give back a CUDA IPC slot of the encoder's pool that held an embedding (the consumer has copied it out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +71,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=vitascope_dot_encoder_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
                     response_serializer=vitascope_dot_encoder_dot_v1_dot_encoder__pb2.EncodeResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=vitascope_dot_common_dot_v1_dot_tensor__pb2.Release.FromString,
+                    response_serializer=vitascope_dot_encoder_dot_v1_dot_encoder__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +105,33 @@ class Encoder:
             '/vitascope.encoder.v1.Encoder/Encode',
             vitascope_dot_encoder_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
             vitascope_dot_encoder_dot_v1_dot_encoder__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vitascope.encoder.v1.Encoder/Release',
+            vitascope_dot_common_dot_v1_dot_tensor__pb2.Release.SerializeToString,
+            vitascope_dot_encoder_dot_v1_dot_encoder__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
