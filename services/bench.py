@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from peft.tuners.lora import LoraLayer
 
 from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig
+from services.common.cuda_graphs import PromptBuckets
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.transport import TensorAssembler, tensor_to_parts
 from services.dit.api import PromptUpdate, SessionConfig
@@ -154,6 +155,8 @@ def build(opts):
         else DiTGroup.start(profile, build_runtime)
     encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,
                                  max_tokens=opts.max_tokens)
+    if opts.cuda_graphs:
+        encoder.capture_graphs(PromptBuckets(profile.dit.prompt_buckets))
     sync(torch.device(devices[0]))
     return profile, encoder, runtime, time.perf_counter() - started
 
@@ -308,10 +311,11 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
             rec["transport"] = time.perf_counter() - t1
             vae.submit(video, audio)
             records.append(rec)
-            if p == PHASES_PER_REQUEST - 1:  # the request is complete
+            if p == PHASES_PER_REQUEST - 1:  # the request is complete: logged now, so a cut-off run keeps it
                 rec["memory"] = gpu_memory_in_use()
-                log.info("request %d: dit %.3f s, GiB in use per GPU %s", k,
-                         sum(r["dit"] for r in records[-PHASES_PER_REQUEST:]),
+                done = records[-PHASES_PER_REQUEST:]
+                log.info("request %d: dit %.3f s (teacher %.3f, students %.3f, commit %.3f), GiB in use per GPU %s",
+                         k, *(sum(r[s] for r in done) for s in ("dit", "teacher", "student", "commit")),
                          [round(b / 2**30, 1) for b in rec["memory"].values()])
     finally:
         session.close()
@@ -431,7 +435,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--adaln-cache", action="store_true")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="capture the audio teacher's steps as CUDA graphs (dit.cuda_graphs)")
+                        help="capture the text encoder and the audio teacher's steps as CUDA graphs (*.cuda_graphs)")
     parser.add_argument("--baseline", action="store_true", help="also time diffusers' forward (CUDA only)")
     parser.add_argument("--attention", default="default", choices=sorted(ATTENTION_BACKENDS),
                         help="preferred torch SDPA kernel for the session")

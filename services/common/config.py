@@ -66,12 +66,22 @@ class EncoderConfig:
     ipc_slots: int = 4
     """Slots of the pool: embeddings sent but not yet copied out by the DiT (a session's prompt, its fallback and
     updates in flight); when all are out, embeddings go as host bytes (a counted fallback)."""
+    cuda_graphs: bool = False
+    """Capture the text stack as CUDA graphs at start-up, one per `prompt_buckets` size (CUDA device only); a
+    prompt is padded at the end to its bucket, which a causal stack ignores."""
+    prompt_buckets: tuple[int, ...] = (128, 256, 384, 512)
+    """Prompt lengths (tokens) the graphs are captured for, increasing; the largest must hold max_tokens."""
 
     def __post_init__(self):
         _check_dtype("encoder.dtype", self.dtype)
         if self.max_tokens < 1:
             raise ValueError(f"encoder.max_tokens={self.max_tokens}: must be ≥ 1")
         _check_ipc("encoder", self.cuda_ipc, self.ipc_slot_mib, self.ipc_slots, min_slots=1)
+        object.__setattr__(self, "prompt_buckets", tuple(self.prompt_buckets))
+        _check_graphs("encoder", self.cuda_graphs, (self.device,), self.prompt_buckets)
+        if self.cuda_graphs and self.prompt_buckets[-1] < self.max_tokens:
+            raise ValueError(f"encoder.prompt_buckets={list(self.prompt_buckets)}: the largest bucket must hold "
+                             f"encoder.max_tokens={self.max_tokens}")
 
 
 @dataclass(frozen=True)
@@ -129,14 +139,7 @@ class DiTConfig:
         for edge in self.canvas_short_edges:
             if edge <= 0 or edge % 32:
                 raise ValueError(f"dit.canvas_short_edges entry {edge}: must be a positive multiple of 32")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"dit.cuda_graphs={self.cuda_graphs!r}: must be true or false")
-        if self.cuda_graphs and not all(d.startswith("cuda") for d in self.devices):
-            raise ValueError(f"dit.cuda_graphs is true but dit.devices={list(self.devices)}: graphs need CUDA devices")
-        b = self.prompt_buckets
-        if not b or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in b) \
-                or list(b) != sorted(set(b)):
-            raise ValueError(f"dit.prompt_buckets={list(b)}: must be strictly increasing positive ints")
+        _check_graphs("dit", self.cuda_graphs, self.devices, self.prompt_buckets)
         _check_ipc("dit", self.cuda_ipc, self.ipc_slot_mib, self.ipc_slots or 2, min_slots=2)
 
     @property
@@ -198,6 +201,17 @@ def _check_ipc(section_name: str, enabled: bool, slot_mib: int, slots: int, min_
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < min_slots:
         automatic = " or 0 (automatic)" if section_name == "dit" else ""
         raise ValueError(f"{section_name}.ipc_slots={slots!r}: must be an int >= {min_slots}{automatic}")
+
+
+def _check_graphs(section_name: str, enabled: bool, devices: tuple[str, ...], buckets: tuple[int, ...]) -> None:
+    """Validate a section's CUDA graph fields."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{section_name}.cuda_graphs={enabled!r}: must be true or false")
+    if enabled and not all(d.startswith("cuda") for d in devices):
+        raise ValueError(f"{section_name}.cuda_graphs is true but its devices are {list(devices)}: graphs need CUDA")
+    if not buckets or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in buckets) \
+            or list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"{section_name}.prompt_buckets={list(buckets)}: must be strictly increasing positive ints")
 
 
 def _check_dtype(name: str, value: str) -> None:

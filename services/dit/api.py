@@ -170,7 +170,7 @@ class PhaseMeta:
 
 @dataclass(frozen=True, eq=False)
 class PhaseOutput:
-    """One phase of generated latents."""
+    """One phase of generated latents, on the device of the DiT's rank 0."""
 
     video: torch.Tensor
     """[F, 24, h, w] float32 clean video latents (h, w = canvas / 16)."""

@@ -255,8 +255,8 @@ class StreamingSession:
                          active_event_id=req.prompt.prompt.event_id,
                          completed_event_ids=req.prompt.started + req.prompt.superseded if first_phase else (),
                          superseded_event_ids=req.prompt.superseded if first_phase else (), timings=timings)
-        out = PhaseOutput(video=video.float().cpu(), audio=audio.reshape(2, ph.num_audio_latents, -1).float().cpu(),
-                          meta=meta)
+        out = PhaseOutput(video=video.to(torch.float32, copy=True),  # stays on the device: CUDA IPC sends it
+                          audio=audio.reshape(2, ph.num_audio_latents, -1).to(torch.float32, copy=True), meta=meta)
         if last:
             self.request_index, self.phase_index, self._request = self.request_index + 1, 0, None
         else:

@@ -17,7 +17,7 @@ from services.common.grpc_server import Stage
 from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionConfig
 from services.dit.checkpoint import load_dit
 from services.dit.fp8 import quantize_linears
-from services.dit.graphs import PromptBuckets
+from services.common.cuda_graphs import PromptBuckets
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.layout import pack_layout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLTextDecoderLayer,
     Qwen3VLTextRotaryEmbedding,
 )
+
+from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +243,10 @@ class TextEncoder:
     max_tokens: int = 512
     """Longest accepted prompt in tokens."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    graphs: CudaGraphBank | None = None
+    """The stack captured per prompt bucket (`capture_graphs`); None runs it eagerly on the prompt's exact ids."""
+    buckets: PromptBuckets | None = None
+    """Prompt lengths the graphs were captured for (set with `graphs`)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -283,6 +290,24 @@ class TextEncoder:
         stack.eval()
         return cls(stack=stack, tokenizer=None, max_tokens=max_tokens, device=torch.device(device))
 
+    @torch.inference_mode()
+    def capture_graphs(self, buckets: PromptBuckets) -> None:
+        """Record the stack on every bucket's length as a CUDA graph (start-up; on the CPU an eager bank).
+
+        The stack is causal, so ids padded at the end leave the real rows' hidden states as they are.
+        """
+        if buckets.sizes[-1] < self.max_tokens:
+            raise ValueError(f"prompt buckets {list(buckets.sizes)} do not hold max_tokens={self.max_tokens}")
+        started = time.perf_counter()
+        bank = CudaGraphBank(self.device)
+        for size in buckets.sizes:
+            ids = torch.zeros(size, dtype=torch.long, device=self.device)
+            bank.capture(GraphKey.for_inputs("text_encoder", [ids]), self.stack, [ids])
+        bank.seal()
+        self.graphs, self.buckets = bank, buckets
+        logger.info("text encoder: %d graphs captured in %.1f s (buckets %s)", len(bank),
+                    time.perf_counter() - started, list(buckets.sizes))
+
     def tokenize(self, prompt: str) -> list[int]:
         """Return the token ids of the raw prompt (no chat template, no special tokens added)."""
         if self.tokenizer is None:
@@ -314,7 +339,12 @@ class TextEncoder:
         vocab = self.stack.args.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise EncoderInputError(f"token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
-        return self.stack(ids.to(self.device))
+        ids = ids.to(self.device)
+        if self.graphs is None:
+            return self.stack(ids)
+        padded, n = self.buckets.pad(ids)  # [L] -> [bucket]
+        out = self.graphs.run(GraphKey.for_inputs("text_encoder", [padded]), self.stack, [padded])
+        return out[:n].clone()  # [L, hidden]; the graph's output buffer belongs to the next replay
 
 
 def load_tokenizer(tokenizer_dir: Path):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import Profile
+from services.common.cuda_graphs import PromptBuckets
 from services.common.errors import InvalidInput, NotReady
 from services.common.grpc_server import Stage
 from services.encoder.model import EncoderInputError, TextEncoder
@@ -49,7 +50,10 @@ class EncoderService(Stage):
         log.info("text encoder loaded: preset=%s device=%s dtype=%s", model.preset, cfg.device, cfg.dtype)
 
     def warmup(self) -> None:
-        """Run one encode so kernels and allocations are ready."""
+        """Capture the CUDA graphs if configured, then run one encode so kernels and allocations are ready."""
+        cfg = self.profile.encoder
+        if cfg.cuda_graphs:
+            self.model.capture_graphs(PromptBuckets(cfg.prompt_buckets))
         self.encode("a warm-up prompt")
 
     def encode(self, prompt: str) -> Encoded:

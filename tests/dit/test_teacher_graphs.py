@@ -10,7 +10,7 @@ import torch
 from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile, load_profile
 from services.dit.attention import StreamingAttention
 from services.dit.geometry import TEACHER_TAIL_LATENTS, check_canvas, plan_request
-from services.dit.graphs import GraphError, PromptBuckets
+from services.common.cuda_graphs import GraphError, PromptBuckets
 from services.dit.kv_cache import CleanAVKVCache
 from services.dit.layout import pack_layout
 from services.dit.model import PRESETS, FullAttention, build_random
@@ -124,7 +124,7 @@ def test_teacher_graph_replay_equals_eager_bitwise_on_gpu():
 
 @pytest.mark.cpu
 def test_graph_settings_are_validated():
-    with pytest.raises(ValueError, match="graphs need CUDA devices"):
+    with pytest.raises(ValueError, match="graphs need CUDA"):
         DiTConfig(devices=("cpu",), cuda_graphs=True)
     with pytest.raises(ValueError, match="strictly increasing"):
         DiTConfig(prompt_buckets=(256, 128))

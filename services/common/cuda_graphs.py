@@ -1,41 +1,26 @@
-"""CUDA graph capture and replay of fixed-shape forwards, keyed by shape signature, captured at start-up.
+"""CUDA graph capture and replay of fixed-shape callables, keyed by shape signature, captured at start-up.
 
-`CudaGraphBank` holds one CUDA graph per `GraphKey` (a phase name, a free-form tag such as the teacher step, the
-prompt-length bucket and the KV history rows, plus the (shape, dtype) signature of the static inputs). Every graph
-is captured into ONE shared memory pool (`torch.cuda.graph_pool_handle()`); this is safe because graphs are
-replayed one at a time on one stream and each graph's static outputs stay referenced, so no later capture reuses
-their memory. `seal()` ends start-up: from then on a key that was not captured runs eagerly (counted in `misses`)
-instead of capturing in the hot path. On a CPU bank every call runs eagerly (same API, used by the CPU tests).
+`CudaGraphBank` holds one CUDA graph per `GraphKey` (a name, a free-form tag such as a step index, plus the
+(shape, dtype) signature of the static inputs). Every graph is captured into ONE shared memory pool
+(`torch.cuda.graph_pool_handle()`); this is safe because graphs are replayed one at a time on one stream and each
+graph's static outputs stay referenced, so no later capture reuses their memory. `seal()` ends start-up: from then
+on a key that was not captured runs eagerly (counted in `misses`) instead of capturing in the hot path. On a CPU
+bank every call runs eagerly (same API, used by the CPU tests).
 
 Replay semantics: `run(key, fn, inputs)` copies `inputs` into the graph's static input buffers, replays, and returns
 the graph's static OUTPUT tensors — valid until the next replay of the same key (clone them to keep them). Python
-side effects of `fn` (e.g. KV-cache bookkeeping) happen only at capture time, never at replay.
+side effects of `fn` happen only at capture time, never at replay.
 
-What is capturable in this runtime:
-- Audio teacher: fixed shapes per (prompt length, tail rows); 9 steps, each its own graph because the AdaLN rows
-  are chosen by the step's timestep values in Python. The RoPE positions of a request are a static input.
-- Text encoder: causal, so right-padding a prompt to a `PromptBuckets` size leaves the real rows' outputs
-  mathematically unchanged (each real row attends only to earlier rows); the caller slices the first `n_real` rows.
-- DiT forwards take the text rows as ONE unmasked document (token refiner; text-to-text and media-to-text
-  attention), so padded text rows WOULD change the result. Prompt-length bucketing for the DiT therefore needs a
-  key-padding mask in the refiner and in the attention patterns (padded text rows excluded as keys), which
-  model.py / attention.py do not have yet; until then DiT graphs are keyed by the exact text length and a new
-  prompt length misses (eager) instead of capturing in the hot path.
-- Student forwards read the KV cache through address-stable views `[live history | work area]`; their graph is
-  valid for one (phase shape, history rows) pair. In steady state the history takes a few values (sink video rows
-  + the 2 most recent commits, and the same after `drop_audio`), so capture per (phase, history rows) at start-up.
-  The graph bakes in the cache's buffer addresses: the runtime must keep ONE cache object whose buffers outlive
-  sessions, and capture by setting its `live` to each steady-state value (contents are irrelevant at capture).
-- Commit forwards additionally call `cache.stage(layer, ...)` (Python bookkeeping; the copy is a no-op because the
-  rows are written in place). A replay must be followed by re-staging every layer from the work-area views;
-  `commit_replay_views` does that.
-Knows nothing about model weights, prompts or sessions.
+`PromptBuckets` pads variable-length prompts to a few sizes so that one graph per size covers every prompt; the
+caller makes the padding rows inert (a causal text encoder ignores trailing rows; the DiT's audio teacher masks them
+out as attention keys). Users: services/encoder/model.py (text encoder) and services/dit/teacher.py (audio teacher).
+Knows nothing about models, prompts or sessions.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -98,21 +83,16 @@ class GraphKey:
     """Identity of one captured graph."""
 
     phase: str
-    """"teacher", "text_encoder", "student", "commit", ..."""
+    """What the graph runs: "teacher", "text_encoder"."""
     signature: Signature
     tag: tuple[Hashable, ...] = ()
-    """Whatever else fixes the computation: teacher step, timestep values, prompt bucket."""
-    history_rows: int = 0
-    """KV history rows the forward attends to (0 when it reads no cache)."""
+    """Whatever else fixes the computation beyond the input shapes, e.g. the teacher's step."""
 
     @classmethod
-    def for_inputs(cls, phase: str, inputs: Sequence[torch.Tensor], tag: tuple[Hashable, ...] = (),
-                   history_rows: int = 0) -> "GraphKey":
+    def for_inputs(cls, phase: str, inputs: Sequence[torch.Tensor], tag: tuple[Hashable, ...] = ()) -> "GraphKey":
         if not phase:
             raise GraphError("graph phase name must be non-empty")
-        if not isinstance(history_rows, int) or history_rows < 0:
-            raise GraphError(f"history_rows={history_rows!r} must be a non-negative int")
-        return cls(phase, signature_of(inputs), tuple(tag), history_rows)
+        return cls(phase, signature_of(inputs), tuple(tag))
 
 
 @dataclass
@@ -200,7 +180,7 @@ class CudaGraphBank:
             self.stats.misses += 1
             if len(self.stats.missed_keys) < self._max_logged_misses:
                 self.stats.missed_keys.append(key)
-                log.warning("no graph for %s %s (history %d): running eagerly", key.phase, key.tag, key.history_rows)
+                log.warning("no graph for %s %s: running eagerly", key.phase, key.tag)
             with torch.no_grad():
                 return fn(*inputs)
         if signature_of(inputs) != key.signature:
@@ -222,30 +202,3 @@ class CudaGraphBank:
         if entry is None:
             raise GraphError(f"no graph for {key.phase} {key.tag}")
         return entry.static_inputs
-
-
-def commit_replay_views(cache, media_rows: int, text_rows: int) -> None:
-    """After replaying a commit-mode forward, stage every layer's in-place media K/V rows into the open commit."""
-    # the replayed graph wrote the rows into cache.k/v[layer][live:live + media_rows] (address-stable buffers)
-    for layer in range(cache.num_layers):
-        k, v = cache.work(layer, media_rows, text_rows)
-        hist = cache.live
-        cache.stage(layer, k[hist:hist + media_rows], v[hist:hist + media_rows])
-
-
-def layout_tag(layout, *extra: Hashable) -> tuple[Hashable, ...]:
-    """Graph tag of a packed layout: its row counts and timestep values (they pick the AdaLN rows), plus `extra`."""
-    return (layout.text_len, layout.audio_len, layout.video_len, layout.seq_len, layout.timestep_values, *extra)
-
-
-def packed_forward(model, layout, attention: Callable) -> Callable[..., object]:
-    """`fn(video, audio, text, positions)` running `model` on `layout` with the RoPE positions as a graph input.
-
-    Everything else in the layout (row indices, tags, timestep slots) is fixed by the graph key; a request's
-    positions change (timeline offsets), so they travel as a static input buffer. `attention` is built by the
-    caller BEFORE capture (pattern constructors may check layouts on the host, which a capture forbids).
-    """
-    def fn(video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor, positions: torch.Tensor):
-        # video: [Tv, 96], audio: [Ta, 32], text: [Tt, text_dim], positions: [S, 3]
-        return model(video, audio, text, replace(layout, positions=positions), attention)
-    return fn
