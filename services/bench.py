@@ -14,6 +14,7 @@ through diffusers' `MiniMaxH3Transformer3DModel` beside ours. Knows nothing abou
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import logging
@@ -150,7 +151,8 @@ def build(opts):
         encoder=EncoderConfig(max_tokens=opts.max_tokens),
         dit=DiTConfig(devices=devices, dtype="bfloat16" if cuda else "float32",
                       canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache,
-                      cuda_graphs=opts.cuda_graphs))
+                      cuda_graphs=opts.cuda_graphs,
+                      prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))))
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
         else DiTGroup.start(profile, build_runtime)
     encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,
@@ -182,8 +184,9 @@ def vae_worker(opts, inbox, outbox) -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     with torch.inference_mode():
-        vdec = IncrementalVideoDecoder(VideoDecoder(build_video_vae(opts.preset).to(device, dtype).eval(),
-                                                    tile_overlap=opts.tile_overlap))
+        vae = build_video_vae(opts.preset).to(device, dtype).eval()
+        replicas = [copy.deepcopy(vae).to(d) for d in opts.vae_tile_devices.split(",") if d]
+        vdec = IncrementalVideoDecoder(VideoDecoder(vae, tile_overlap=opts.tile_overlap, tile_replicas=replicas))
         adec = IncrementalAudioDecoder(AudioDecoder(build_audio_vae(opts.preset).to(device).eval()))
         mux = None
         outbox.put("ready")
@@ -330,7 +333,8 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
              f"GPUs={gpus}; " + (
                  "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
                  f"VAE + mux in their own process on {opts.devices.split(',')[-1]} (tiles overlap >= "
-                 f"{opts.tile_overlap} px), pipelined with a window of {opts.window} phases"),
+                 f"{opts.tile_overlap} px, tiles shared with {opts.vae_tile_devices or 'no other device'}), "
+                 f"pipelined with a window of {opts.window} phases"),
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
              f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
@@ -436,11 +440,15 @@ def main() -> None:
     parser.add_argument("--adaln-cache", action="store_true")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="capture the text encoder and the audio teacher's steps as CUDA graphs (*.cuda_graphs)")
+    parser.add_argument("--prompt-buckets", default=",".join(map(str, DiTConfig().prompt_buckets)),
+                        help="prompt lengths the graphs are captured for (the largest must hold --max-tokens)")
     parser.add_argument("--baseline", action="store_true", help="also time diffusers' forward (CUDA only)")
     parser.add_argument("--attention", default="default", choices=sorted(ATTENTION_BACKENDS),
                         help="preferred torch SDPA kernel for the session")
     parser.add_argument("--tile-overlap", type=int, default=VAEConfig().tile_overlap_px,
                         help="minimum overlap of the video decode tiles in px (vae.tile_overlap_px)")
+    parser.add_argument("--vae-tile-devices", default="",
+                        help="comma-separated further devices that decode a share of the video tiles (vae.tile_devices)")
     parser.add_argument("--no-vae", action="store_true",
                         help="no decode or mux: a chunk counts as delivered when the DiT hands it over")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,

@@ -165,12 +165,19 @@ class VAEConfig:
     tile_overlap_px: int = 64
     """Minimum overlap of neighbouring 256 px video decode tiles, a multiple of 16 px. The release uses 64 (a
     480x864 clip is 3 x 5 = 15 tiles); the published realtime configs use 32 (2 x 4 = 8 tiles, 47% less ViT work)."""
+    tile_devices: tuple[str, ...] = ()
+    """Further devices that each hold a copy of the video decoder and decode an equal share of every phase's tiles
+    beside `device` (e.g. the other GPU of a usp2 node, so both DiT ranks lose the same time to the decode)."""
 
     def __post_init__(self):
         _check_dtype("vae.dtype", self.dtype)
         if not isinstance(self.tile_overlap_px, int) or not 16 <= self.tile_overlap_px < 256 \
                 or self.tile_overlap_px % 16:
             raise ValueError(f"vae.tile_overlap_px={self.tile_overlap_px!r}: must be a multiple of 16 from 16 to 240")
+        object.__setattr__(self, "tile_devices", tuple(self.tile_devices))
+        if self.device in self.tile_devices or len(set(self.tile_devices)) != len(self.tile_devices):
+            raise ValueError(f"vae.tile_devices={list(self.tile_devices)}: each must differ from vae.device="
+                             f"{self.device!r} and from the others")
 
 
 @dataclass(frozen=True)

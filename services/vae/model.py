@@ -13,9 +13,15 @@ every 5) and the same spatial tile grid (`vae._split_tiles` with the model's til
 minimum in the release), cuts every tile of every clip from the latents, runs them through `post_quant_conv` and the
 ViT as one batch (each batch row is one tile of one clip, so every tile sees exactly the pixels it sees in diffusers),
 then blends tiles and clips with the library's own `_stitch_tiles` / `_blend`, vectorised over clips. The result
-equals the diffusers decode up to GEMM reassociation across batch sizes (see services/vae/bench_decode.py).
+equals the diffusers decode up to GEMM reassociation across batch sizes (see services/vae/bench_decode.py). With
+tile replicas (copies of the network on other GPUs) each device decodes an equal share of those rows concurrently,
+so the decode's GPU time is spread over the GPUs the DiT ranks share with it.
 """
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Sequence
 
 import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
@@ -106,7 +112,8 @@ def build_audio_vae(preset: str) -> AutoencoderKLMiniMaxH3Audio:
 class VideoDecoder:
     """Normalised video latents `[F, 24, h, w]` -> RGB frames; every tile of every clip in one batched ViT call."""
 
-    def __init__(self, vae: AutoencoderKLMiniMaxH3, max_batch: int = 64, tile_overlap: int | None = None) -> None:
+    def __init__(self, vae: AutoencoderKLMiniMaxH3, max_batch: int = 64, tile_overlap: int | None = None,
+                 tile_replicas: Sequence[AutoencoderKLMiniMaxH3] = ()) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch (tiles per ViT call) must be a positive int, got {max_batch!r}")
         if tile_overlap is not None:  # the minimum overlap of neighbouring tiles, in pixels (release: 64)
@@ -120,6 +127,12 @@ class VideoDecoder:
         """Most (clip, tile) pairs per ViT call; a 480x864 phase (2 clips x 15 tiles) is one call."""
         param = next(vae.parameters())
         self.device = param.device
+        for replica in tile_replicas:
+            if replica.config != vae.config:
+                raise ValueError("a tile replica of the video VAE must have the primary's config")
+        self.replicas = [replica.eval() for replica in tile_replicas]
+        """Copies of the network on other devices: each decodes an equal share of every phase's tiles, at once."""
+        self._pool = ThreadPoolExecutor(len(self.replicas), "vae-tiles") if self.replicas else None
         stats = dict(device=self.device, dtype=torch.float32)
         # mean/std: [1, C, 1, 1, 1] for the [B, C, F, h, w] diffusers layout.
         self._mean = torch.tensor(vae.config.latents_mean, **stats).view(1, -1, 1, 1, 1)
@@ -184,8 +197,7 @@ class VideoDecoder:
         # tiles: [K * T, C, 7, th, tw], clip-major; tile (i, j) is row-major over the (ys, xs) grid.
         tiles = torch.stack([clips[..., y // ratio:y // ratio + th, x // ratio:x // ratio + tw]
                              for y in ys for x in xs], dim=1).flatten(0, 1)
-        parts = [vae.decoder(vae.post_quant_conv(part)) for part in tiles.split(self.max_batch)]
-        decoded = parts[0] if len(parts) == 1 else torch.cat(parts)
+        decoded = self._decode_tiles(tiles)
         decoded = decoded.unflatten(0, (num_clips, len(ys) * len(xs)))  # [K, T, 3, 28, tile_h, tile_w]
         rows = [[decoded[:, i * len(xs) + j] for j in range(len(xs))] for i in range(len(ys))]
         video = vae._stitch_tiles(rows, y_overlaps, x_overlaps)  # video: [K, 3, 28, H, W]
@@ -200,6 +212,24 @@ class VideoDecoder:
         if num_clips > 1:
             pieces += vae._blend(tails[:-1], heads[1:], vae.frame_overlap, dim=-3).unbind(0)
         return torch.cat([*pieces, tails[-1]], dim=1)
+
+    def _decode_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
+        """`post_quant_conv` + ViT of every tile; with replicas, contiguous shares decoded on their devices at once."""
+        # tiles: [N, C, 7, th, tw] -> [N, 3, 28, tile_h, tile_w] on self.device, in tile order
+        nets = [self.vae, *self.replicas]
+        shares = [(net, share) for net, share in zip(nets, tiles.tensor_split(len(nets))) if share.shape[0]]
+        futures = [self._pool.submit(self._decode_share, net, share) for net, share in shares[1:]]
+        first = self._decode_share(*shares[0])
+        rest = [future.result().to(self.device) for future in futures]
+        return torch.cat([first, *rest]) if rest else first
+
+    def _decode_share(self, net: AutoencoderKLMiniMaxH3, tiles: torch.Tensor) -> torch.Tensor:
+        """Decode `tiles` on `net`'s device in groups of `max_batch` (runs in a worker thread for a replica)."""
+        device = next(net.parameters()).device
+        place = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+        with place, torch.inference_mode():  # a worker thread does not inherit the caller's inference mode
+            parts = [net.decoder(net.post_quant_conv(part)) for part in tiles.to(device).split(self.max_batch)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @torch.inference_mode()
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:

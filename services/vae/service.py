@@ -95,9 +95,11 @@ class VAEService(Stage):
         cfg = self.profile.vae
         root = pathlib.Path(self.profile.model.dir) / "MiniMax-H3"
         dtype = getattr(torch, cfg.dtype)
-        self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype), tile_overlap=cfg.tile_overlap_px)
+        replicas = [load_video_vae(root, device, dtype) for device in cfg.tile_devices]
+        self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype), tile_overlap=cfg.tile_overlap_px,
+                                  tile_replicas=replicas)
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
-        log.info("VAE loaded on %s (%s)", cfg.device, cfg.dtype)
+        log.info("VAE loaded on %s (%s), video tiles shared with %s", cfg.device, cfg.dtype, list(cfg.tile_devices))
 
     def warmup(self) -> None:
         """Decode one short phase so kernels and the encoders are ready."""

@@ -1,4 +1,5 @@
 """Video/audio VAE wrappers: parity with the diffusers decoders, presets, checkpoint layout, input errors."""
+import copy
 import json
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from safetensors import safe_open
 
+from services.common.config import VAEConfig
 from services.vae.checkpoint import VAECheckpointError, load_audio_vae, load_video_vae, write_random_checkpoint
 from services.vae.model import (
     AUDIO_PRESETS,
@@ -92,6 +94,31 @@ def test_batched_tiles_match_diffusers_tiled_decode(ckpt, num_latents, frames):
     # The seams matter: without tiling the same latents decode visibly differently.
     vae.disable_tiling()
     assert (VideoDecoder(vae).decode_pixels(z) - ref).abs().max() > 1e-3
+
+
+def test_tile_replicas_share_the_tiles_and_give_the_same_frames(ckpt):
+    # Two replicas (deep copies here; other GPUs in a deployment) each take a contiguous share of the 2 clips x 20
+    # tiles; with one tile per ViT call the result is the library's per-tile decode bit for bit.
+    vae = load_video_vae(ckpt)
+    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_min_overlap_height=32,
+                      tile_sample_min_overlap_width=32)
+    z = torch.randn(12, 24, 9, 11, generator=torch.Generator().manual_seed(3))
+    ref = _diffusers_pixels(vae, z)
+    seen = []
+    replicas = [copy.deepcopy(vae), copy.deepcopy(vae)]
+    for replica in replicas:
+        replica.decoder.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    shared = VideoDecoder(vae, max_batch=1, tile_overlap=32, tile_replicas=replicas)
+    torch.testing.assert_close(shared.decode_pixels(z), ref, rtol=0, atol=0)
+    assert len(seen) == 2 * 40 // 3  # 40 tiles in shares of 14 / 13 / 13: the replicas ran 26 of them
+    batched = VideoDecoder(vae, tile_overlap=32, tile_replicas=replicas).decode_pixels(z)
+    assert (batched - ref).abs().max() < 1e-5
+    other = build_video_vae("tiny")
+    other.register_to_config(latent_channels=16)
+    with pytest.raises(ValueError, match="must have the primary's config"):
+        VideoDecoder(vae, tile_replicas=[other])
+    with pytest.raises(ValueError, match="tile_devices"):
+        VAEConfig(device="cuda:1", tile_devices=("cuda:0", "cuda:1"))
 
 
 def test_tile_overlap_sets_the_grid_of_the_full_decoder():
