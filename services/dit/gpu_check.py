@@ -16,7 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from services.common.cuda_ipc import IpcConsumer, IpcProducer, send_tensor
+from services.common.cuda_ipc import IpcConsumer, IpcProducer
+from services.common.stage_transport import send_tensor
 from services.dit.fp8 import FP8Linear, fp8_error_report, quantize_rows, relative_error, scaled_mm_supported
 from services.dit.layout import pack_layout
 from services.dit.model import PRESETS, FullAttention, build_random

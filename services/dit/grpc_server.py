@@ -34,12 +34,13 @@ import grpc
 
 from services.common import tracing
 from services.common.config import DiTConfig
-from services.common.cuda_ipc import (IpcConsumer, IpcError, IpcExporter, SessionLeases, TensorReceiver,
-                                      register_transport, send_tensor)
+from services.common.cuda_ipc import IpcConsumer, IpcError
 from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
 from services.common.media import AUDIO_SAMPLE_RATE
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
+from services.common.stage_transport import (IpcExporter, SessionLeases, TensorReceiver, register_transport,
+                                             send_tensor)
 from services.dit.api import PhaseOutput, PromptUpdate, SessionConfig
 from services.dit.runtime import StreamingSession
 from services.dit.service import DiTService

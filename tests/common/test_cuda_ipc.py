@@ -9,7 +9,8 @@ import torch
 from services.common import metrics
 from services.common.cuda_ipc import (MODE_HOST, MODE_IPC, IpcConsumer, IpcError, IpcProducer, PoolExhausted,
                                       PoolRecord, SlotLedger, _check_ref, count_fallback, decide_transport,
-                                      local_hello, negotiate, read_boot_id, send_tensor)
+                                      local_hello, negotiate, read_boot_id)
+from services.common.stage_transport import send_tensor
 from vitascope.common.v1 import tensor_pb2 as pb
 
 BOOT = "3b1f0c9e-0000-4000-8000-000000000001"

@@ -19,9 +19,10 @@ import torch
 
 from services.common import metrics
 from services.common.config import DiTConfig
+from services.common.cuda_ipc import IpcError, SlotLedger, gpu_uuids, read_boot_id
 from services.common.errors import NoCapacity
-from services.common.cuda_ipc import (IpcError, IpcExporter, SessionLeases, SlotLedger, TensorReceiver,
-                                      TransportServicer, gpu_uuids, read_boot_id, register_transport)
+from services.common.stage_transport import (IpcExporter, SessionLeases, TensorReceiver, TransportServicer,
+                                             register_transport)
 from services.common.transport import tensor_to_parts
 from services.dit.api import HoldConfig, PhaseMeta, PhaseOutput, PhaseTimings
 from services.dit.grpc_server import DiTServicer
