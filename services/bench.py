@@ -35,8 +35,9 @@ from services.dit.geometry import TEACHER_TAIL_LATENTS, plan_request
 from services.dit.group import DiTGroup
 from services.dit.lora import ADAPTER_NAME
 from services.dit.model import PRESETS, DiT, FullAttention, ModelArgs
-from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
+from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
+from services.dit.teacher import STEPS as TEACHER_STEPS
 from services.encoder.model import TextEncoder
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
 from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
@@ -95,7 +96,7 @@ class FlopCounter:
         """Count the 9 teacher steps of a request whose forwards replayed CUDA graphs (real rows only)."""
         n_tail = 0 if request_index == 0 else TEACHER_TAIL_LATENTS
         real = prompt_tokens + 2 * (n_tail + plan_request(request_index).num_audio_latents)
-        for _ in range(len(TEACHER_SIGMAS) - 1):
+        for _ in range(TEACHER_STEPS):
             self.add(prompt_tokens, real, 0, True)
 
     def take(self) -> tuple[float, float]:

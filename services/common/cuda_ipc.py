@@ -184,17 +184,6 @@ class SlotLedger:
             self._free.append(slot)
             return True
 
-    def reclaim_all(self) -> int:
-        """Free every leased slot (the consumer disconnected); their late releases are rejected as stale."""
-        with self._lock:
-            taken = [i for i, leased in enumerate(self._leased) if leased]
-            for slot in taken:
-                self._leased[slot] = False
-                self._generation[slot] = self._next_generation  # no lease ever carried this generation
-                self._next_generation += 1
-                self._free.append(slot)
-            return len(taken)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pool export record <-> pool id
@@ -317,11 +306,6 @@ class IpcProducer:
         if message.pool_id != self.pool_id:
             raise IpcError(f"release for another pool (slot {message.slot}, generation {message.generation})")
         self.ledger.release(message.slot, message.generation)
-
-    def reclaim_all(self) -> int:
-        """The consumer is gone (disconnect / cancellation): take every slot back; returns how many were leased."""
-        # the GPU may still be copying into a slot on our stream; later exports are stream-ordered after it
-        return self.ledger.reclaim_all()
 
     @property
     def leased(self) -> int:

@@ -11,9 +11,11 @@ stage it runs in; the pool mechanism itself is services/common/cuda_ipc.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 
 import grpc
 import torch
@@ -46,6 +48,26 @@ def send_tensor(tensor: torch.Tensor, producer: IpcProducer | None, peer: str) -
     metrics.TRANSPORT_TENSORS.labels(peer=peer, mode=MODE_HOST).inc()
     return tensor_to_parts(tensor)
 
+
+
+def sender(leases: SessionLeases | None, peer: str) -> Callable[[torch.Tensor], list[pb.TensorPart]]:
+    """How one session sends a tensor to `peer`: through its CUDA IPC leases, or as host bytes."""
+    return leases.send if leases is not None else partial(send_tensor, producer=None, peer=peer)
+
+
+class ProcessConsumer:
+    """The process's one `IpcConsumer`, made on first call (a CUDA IPC part) so a host-only process never needs CUDA;
+    it opens each producer's pool once for all streams."""
+
+    def __init__(self, make: Callable[[], IpcConsumer] = IpcConsumer):
+        self._make, self._consumer = make, None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> IpcConsumer:
+        with self._lock:
+            if self._consumer is None:
+                self._consumer = self._make()
+            return self._consumer
 
 
 class SessionLeases:
@@ -169,6 +191,12 @@ class TensorReceiver:
             return self._consumer().open(part, self._device)
         except (IpcError, RuntimeError) as exc:  # RuntimeError: torch refused a handle (e.g. a bad event handle)
             raise IpcError(f"{self.name}: {exc}") from None
+
+    async def receive(self, part: pb.TensorPart) -> tuple[torch.Tensor | None, pb.Release | None]:
+        """`add` for an event loop: a CUDA IPC part's device copy runs in a worker thread."""
+        if part.WhichOneof("where") == "cuda":
+            return await asyncio.to_thread(self.add, part)
+        return self.add(part)
 
 
 class TransportServicer(transport_pb2_grpc.TransportServicer):

@@ -27,7 +27,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -39,8 +38,8 @@ from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
 from services.common.media import AUDIO_SAMPLE_RATE
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
-from services.common.stage_transport import (IpcExporter, SessionLeases, TensorReceiver, register_transport,
-                                             send_tensor)
+from services.common.stage_transport import (IpcExporter, ProcessConsumer, SessionLeases, TensorReceiver,
+                                             register_transport, sender)
 from services.dit.api import PhaseOutput, PromptUpdate, SessionConfig
 from services.dit.runtime import StreamingSession
 from services.dit.service import DiTService
@@ -130,11 +129,9 @@ class RequestReader:
                 self._leases.release(request.release)
             elif kind == "prompt":
                 part = request.prompt
-                if part.embedding.WhichOneof("where") == "cuda":
-                    embedding, release = await asyncio.to_thread(self._receiver.add, part.embedding)
+                embedding, release = await self._receiver.receive(part.embedding)
+                if release is not None:
                     self.prompt_releases.append(release)
-                else:
-                    embedding, _ = self._receiver.add(part.embedding)
                 if embedding is not None:
                     return PromptUpdate(embedding=embedding.float(), event_id=part.event_id), part.role
             else:
@@ -164,15 +161,11 @@ def release_messages(reader: RequestReader) -> list[dit_pb2.StreamResponse]:
     return messages
 
 
-def host_parts(tensor) -> list[tensor_pb2.TensorPart]:
-    """Host-byte parts of one latent tensor for the VAE (counted as such)."""
-    return send_tensor(tensor, None, CONSUMER)
-
-
 def phase_messages(out: PhaseOutput, span: tracing.SpanContext,
-                   send: Callable[..., list[tensor_pb2.TensorPart]] = host_parts) -> list[dit_pb2.StreamResponse]:
+                   send: Callable[..., list[tensor_pb2.TensorPart]] = sender(None, CONSUMER)
+                   ) -> list[dit_pb2.StreamResponse]:
     """The response messages of one phase (whose span is `span`), in wire order; `send` turns a latent tensor into
-    parts (host bytes, or `SessionLeases.send` for CUDA IPC; blocking, a device copy)."""
+    parts (`sender`: host bytes, or CUDA IPC through the session's leases; blocking, a device copy)."""
     m, t = out.meta, out.meta.timings
     meta = dit_pb2.PhaseMeta(
         request_index=m.request_index, phase_index=m.phase_index, num_frames=m.num_frames,
@@ -227,16 +220,8 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         cfg = profile.dit if profile is not None else DiTConfig()
         self.max_phases_ahead = cfg.max_phases_ahead if max_phases_ahead is None else max_phases_ahead
         self.exporter = latent_exporter(cfg) if exporter is None else exporter
-        self._consumer_factory = consumer or IpcConsumer
-        self._consumer: IpcConsumer | None = None
-        self._consumer_lock = threading.Lock()
-
-    def consumer(self) -> IpcConsumer:
-        """The process's IPC consumer of prompt embeddings (created on the first CUDA IPC prompt part)."""
-        with self._consumer_lock:
-            if self._consumer is None:
-                self._consumer = self._consumer_factory()
-            return self._consumer
+        self.consumer = ProcessConsumer(consumer or IpcConsumer)
+        """The process's IPC consumer of prompt embeddings (made on the first CUDA IPC prompt part)."""
 
     async def _open(self, start: dit_pb2.SessionStart, reader: RequestReader) -> StreamingSession:
         prompt = await reader.next_prompt()
@@ -277,7 +262,7 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
                 self._end_leases(leases)
                 await abort_with(context, exc)
                 return
-            send = host_parts if leases is None else leases.send
+            send = sender(leases, CONSUMER)
             ACTIVE_SESSIONS.inc()
             log.info("session started: %dx%d", session.canvas.width, session.canvas.height)
             requests = asyncio.create_task(reader.run(session))

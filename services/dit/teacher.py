@@ -22,8 +22,8 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request
 from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
+from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request
 from services.dit.layout import PackedLayout, pack_layout
 from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT, FullAttention

@@ -24,7 +24,7 @@ from services.common.cuda_ipc import IpcError
 from services.common.errors import abort_with
 from services.common.logging_setup import log_context
 from services.common.metrics import IPC_LEASED_SLOTS, STAGE_LATENCY, record_gpu_memory
-from services.common.stage_transport import IpcExporter, register_transport, send_tensor
+from services.common.stage_transport import IpcExporter, register_transport, sender
 from services.encoder.service import EncoderService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -61,8 +61,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             try:
                 encoded = await asyncio.to_thread(self.service.encode, request.prompt)
                 leases = await asyncio.to_thread(self.exporter.session, request.consumer)
-                send = leases.send if leases is not None else lambda t: send_tensor(t, None, CONSUMER)
-                parts = await asyncio.to_thread(send, encoded.embedding)
+                parts = await asyncio.to_thread(sender(leases, CONSUMER), encoded.embedding)
             except Exception as exc:  # the one boundary where every failure becomes a status
                 await abort_with(context, exc)
                 return

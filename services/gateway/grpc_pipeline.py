@@ -64,6 +64,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+def release_of(part: tensor_pb2.TensorPart) -> tensor_pb2.Release:
+    """The `Release` that gives a CUDA IPC part's slot back to its producer."""
+    ref = part.cuda
+    return tensor_pb2.Release(pool_id=ref.pool_id, slot=ref.slot, generation=ref.generation)
+
+
 def pipeline_error(stage: str, exc: grpc.RpcError) -> PipelineError:
     """Map a stage's gRPC status to the gateway's error kinds (the one mapping point)."""
     code, detail = exc.code(), exc.details() or ""
@@ -150,8 +156,7 @@ class GrpcPipeline(Pipeline):
         refuses (stale: it restarted, or the slot was already given back) is logged, not raised."""
         for part in parts:
             if part.WhichOneof("where") == "cuda":
-                await self.release_embedding(tensor_pb2.Release(
-                    pool_id=part.cuda.pool_id, slot=part.cuda.slot, generation=part.cuda.generation))
+                await self.release_embedding(release_of(part))
 
     async def release_embedding(self, release: tensor_pb2.Release) -> None:
         """Give one encoder slot back (see `release_embeddings`)."""
@@ -245,8 +250,7 @@ class GrpcSession(PipelineSession):
                     prompt=dit_pb2.PromptPart(event_id=event_id, role=role, embedding=part)))
                 if part.WhichOneof("where") == "cuda":
                     ref = part.cuda
-                    self._prompt_slots[(ref.pool_id, ref.slot, ref.generation)] = tensor_pb2.Release(
-                        pool_id=ref.pool_id, slot=ref.slot, generation=ref.generation)
+                    self._prompt_slots[(ref.pool_id, ref.slot, ref.generation)] = release_of(part)
         if self._pump is not None and self._pump.done():  # the DiT stream ended meanwhile: it will not copy it
             await self._release_prompt_slots()
 
@@ -254,12 +258,6 @@ class GrpcSession(PipelineSession):
         """The DiT copied an embedding out of the encoder's pool: give the slot back to the encoder."""
         self._prompt_slots.pop((release.pool_id, release.slot, release.generation), None)
         await self.pipeline.release_embedding(release)
-
-    async def _drop_parts(self, parts: list) -> None:
-        """Embedding parts that never reached the DiT: give their encoder slots back (host parts hold none)."""
-        cuda = [part for part in parts if part.WhichOneof("where") == "cuda"]
-        if cuda:
-            await self.pipeline.release_embeddings(cuda)
 
     async def _release_prompt_slots(self) -> None:
         """Give the encoder back every slot of an embedding the DiT has not reported copied (its stream ended)."""
@@ -400,11 +398,11 @@ class GrpcSession(PipelineSession):
         self._text_seconds.append(time.perf_counter() - started)
         try:
             await self._write_prompt(event_id, parts, dit_pb2.PROMPT_ROLE_ACTIVE)
-        except grpc.RpcError as exc:
-            await self._drop_parts(parts)
+        except grpc.RpcError as exc:  # the parts never reached the DiT: their encoder slots go back from here
+            await self.pipeline.release_embeddings(parts)
             raise pipeline_error("dit", exc) from None
         except asyncio.InvalidStateError:  # grpc.aio: writing to a call that has finished or half-closed
-            await self._drop_parts(parts)
+            await self.pipeline.release_embeddings(parts)
             raise PipelineError("dit: the session's stream has already ended") from None
 
     async def cancel(self) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable
 
 import grpc
@@ -30,7 +29,7 @@ from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
-from services.common.stage_transport import TensorReceiver, register_transport
+from services.common.stage_transport import ProcessConsumer, TensorReceiver, register_transport
 from services.common.transport import MAX_PART_BYTES
 from services.vae.service import Chunk, VAEService
 from vitascope.common.v1 import tensor_pb2
@@ -63,25 +62,10 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
 
     def __init__(self, service: VAEService, consumer: Callable[[], IpcConsumer] | None = None):
         self.service = service
-        self._consumer_factory = consumer or IpcConsumer
-        self._consumer: IpcConsumer | None = None
-        self._consumer_lock = threading.Lock()
+        self.consumer = ProcessConsumer(consumer or IpcConsumer)
         profile = getattr(service, "profile", None)
         device = profile.vae.device if profile is not None else "cpu"
         self._device = device if device.startswith("cuda") else None  # IPC latents are copied onto the decoder's GPU
-
-    def consumer(self) -> IpcConsumer:
-        """The process's IPC consumer (created on first use)."""
-        with self._consumer_lock:
-            if self._consumer is None:
-                self._consumer = self._consumer_factory()
-            return self._consumer
-
-    async def _receive(self, receiver: TensorReceiver, part: tensor_pb2.TensorPart):
-        """(tensor or None, release or None) of one part; IPC parts are copied out in a worker thread."""
-        if part.WhichOneof("where") == "cuda":
-            return await asyncio.to_thread(receiver.add, part)
-        return receiver.add(part)
 
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         ACTIVE_SESSIONS.inc()
@@ -104,11 +88,11 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                     if kind == "video":
                         if video is not None:
                             _twice("video")
-                        video, video_release = await self._receive(video_parts, request.video)
+                        video, video_release = await video_parts.receive(request.video)
                     elif kind == "audio":
                         if audio is not None:
                             _twice("audio")
-                        audio, audio_release = await self._receive(audio_parts, request.audio)
+                        audio, audio_release = await audio_parts.receive(request.audio)
                     elif kind == "phase_end":
                         if video is None or audio is None:
                             raise SequenceMismatch("phase_end before the phase's video and audio latents")

@@ -173,6 +173,9 @@ async def test_update_after_the_dit_stream_ended_is_a_pipeline_error():
         async def encode(self, *_args):
             return [tensor_pb2.TensorPart()], 0.0
 
+        async def release_embeddings(self, _parts):  # host parts hold no encoder slot
+            pass
+
     pipeline = _Encoder()
     request = SessionRequest(request_id="video_stream-test", prompt="p", seed=1, width=64, height=48, fps=24)
     session = grpc_pipeline.GrpcSession(pipeline, request, 0.0, grpc_pipeline.tracing.SpanContext.new_root())
