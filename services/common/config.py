@@ -14,6 +14,7 @@ import yaml
 
 PRESETS = ("tiny", "full")
 DTYPES = ("float32", "bfloat16")
+SDPA_KERNELS = ("default", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,12 @@ class DiTConfig:
     """FP8 per-channel weights and per-token activations on the DiT linears (H100/H200 only)."""
     adaln_cache: bool = False
     """Precompute the AdaLN modulations of the fixed runtime timesteps and drop the AdaLN weights."""
+    merge_lora: bool = False
+    """Fold the LoRA into the base weights (before FP8): the students and the commit then run one GEMM per linear,
+    and the audio teacher subtracts the LoRA side branch instead of the students adding it. Same memory."""
+    attention: str = "default"
+    """SDPA kernel tried first by every DiT rank: "default" (torch's order, flash first) or "cudnn" (cuDNN's
+    attention, faster on Hopper at these shapes); the others stay as fallbacks for inputs a kernel cannot take."""
     audio_reset_requests: int = 12
     """Drop the audio KV history every this many requests."""
     hold_poll_seconds: float = 0.02
@@ -140,6 +147,10 @@ class DiTConfig:
             if edge <= 0 or edge % 32:
                 raise ValueError(f"dit.canvas_short_edges entry {edge}: must be a positive multiple of 32")
         _check_graphs("dit", self.cuda_graphs, self.devices, self.prompt_buckets)
+        if not isinstance(self.merge_lora, bool):
+            raise ValueError(f"dit.merge_lora={self.merge_lora!r}: must be true or false")
+        if self.attention not in SDPA_KERNELS:
+            raise ValueError(f"dit.attention={self.attention!r}: use one of {SDPA_KERNELS}")
         _check_ipc("dit", self.cuda_ipc, self.ipc_slot_mib, self.ipc_slots or 2, min_slots=2)
 
     @property

@@ -4,13 +4,12 @@
 `FP8Linear`; the token refiner, the patch / condition projections, the AdaLN projections, the heads and the
 boundary blocks named by the ignore patterns stay in BF16 (default: the first 2 and the last 3 blocks).
 
-LoRA: quantise AFTER the adapter is installed by `services.dit.lora`. peft only wraps `nn.Linear`, so an
-`FP8Linear` cannot be a LoRA target; instead, for a target that peft already wrapped, the `base_layer` inside the
-`LoraLayer` is swapped and the BF16 side branch (lora_A / lora_B) stays as it is: the student is
-FP8(W) x + scale * B(A x), the teacher (adapters disabled) is FP8(W) x. The original weight `Parameter` object is
-reused for the FP8 data (its `.data` is replaced), so references held elsewhere (the adapter's base-weight table,
-which `suspended()` re-assigns) keep pointing at the quantised weight and the BF16 copy is freed. A merged LoRA
-bank (BF16 W + sBA) does not fit this layer; `FP8Linear.forward` refuses a non-FP8 weight with `Fp8Error`.
+LoRA: quantise AFTER the adapter is installed by `services.dit.lora` (and after `merge_into_base`, if merged).
+peft only wraps `nn.Linear`, so an `FP8Linear` cannot be a LoRA target; instead, for a target that peft already
+wrapped, the `base_layer` inside the `LoraLayer` is swapped and the BF16 side branch (lora_A / lora_B) stays as it
+is: unmerged, the student is FP8(W) x + scale * B(A x) and the teacher FP8(W) x; merged, the student is
+FP8(W + scale * BA) x and the teacher subtracts scale * B(A x) from it. The original weight `Parameter` object is
+reused for the FP8 data (its `.data` is replaced) and the BF16 copy is freed.
 
 GEMM: `torch._scaled_mm(x_fp8 [M, K] row-major, w_fp8.t() [K, N] column-major, scale_a [M, 1] fp32,
 scale_b [1, N] fp32, out_dtype=bf16)` on CUDA devices of compute capability >= 8.9; elsewhere (CPU tests) a
@@ -94,8 +93,8 @@ class FP8Linear(nn.Module):
 
     def _check_weight(self) -> None:
         if self.weight.dtype != FP8_DTYPE:
-            raise Fp8Error(f"FP8Linear holds a {self.weight.dtype} weight: something re-assigned `.weight` (e.g. a "
-                           "merged LoRA bank); FP8 layers serve the unmerged LoRA side branch only")
+            raise Fp8Error(f"FP8Linear holds a {self.weight.dtype} weight: something re-assigned `.weight` after "
+                           "quantisation")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N] in x's dtype

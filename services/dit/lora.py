@@ -1,5 +1,6 @@
 """TaoMate LoRA adapter: load and validate the native adapter directory, install it on the DiT through `peft`,
-and switch between the LoRA student and the base-model teacher without touching the base weights.
+and switch between the LoRA student and the base-model teacher: either the student adds the side branch to the
+base weights, or (`merge_into_base`) the LoRA lives in the base weights and the teacher subtracts the side branch.
 
 Native layout: `config.json` (or `adapter_config.json`) with integer `rank` and numeric `alpha`, plus
 `adapter_model.safetensors` holding exactly `<target>.lora_a` [rank, in] and `<target>.lora_b` [out, rank] (FP32)
@@ -171,9 +172,8 @@ class LoRAAdapter:
             for mod in (layer.lora_A[ADAPTER_NAME], layer.lora_B[ADAPTER_NAME]):
                 mod.to(dev, dtype).requires_grad_(False)
         self._depth = 0
-        self._base: dict[str, torch.nn.Parameter] = {n: l.get_base_layer().weight for n, l in self.layers.items()}
-        self._merged: dict[str, torch.nn.Parameter] | None = None
-        self._use_merged = False
+        self.merged = False
+        """True once `merge_into_base` folded the LoRA into the base weights."""
         model.requires_grad_(False)
         log.info("LoRA installed: %d targets, rank %d, alpha %s", len(self.layers), spec.rank, spec.alpha)
 
@@ -187,11 +187,10 @@ class LoRAAdapter:
         return self._depth
 
     def _apply(self) -> None:
-        merged = self._use_merged and self._depth == 0
-        for name, layer in self.layers.items():
-            base = layer.get_base_layer()
-            base.weight = self._merged[name] if merged and self._merged is not None else self._base[name]
-            layer.enable_adapters(self._depth == 0 and not merged)
+        # side branch: the student adds s·B(A x); merged: the teacher subtracts it from (W + s·BA) x
+        branch_on = (self._depth == 0) != self.merged
+        for layer in self.layers.values():
+            layer.enable_adapters(branch_on)
             # peft marks an enabled adapter trainable; inference keeps it frozen (and the compiled block regions,
             # which are specialised on requires_grad, keep one variant per LoRA state)
             layer.requires_grad_(False)
@@ -209,21 +208,26 @@ class LoRAAdapter:
             if self._depth == 0:
                 self._apply()
 
-    def build_merged_bank(self) -> None:
-        """Precompute W + scale * B A for every target into a separate weight bank (base weights untouched)."""
-        bank = {}
+    def merge_into_base(self) -> None:
+        """Fold s·BA into every target's base weight, in place; the teacher then runs W x = (W + s·BA) x - s·B(A x).
+
+        The students and the commit (most forwards) lose the side branch's two GEMMs and its add; the audio teacher,
+        run as CUDA graphs, gains them. No memory changes hands. Call before FP8 quantisation, which then quantises
+        the merged weights.
+        """
+        if self.merged:
+            raise LoRAError("the LoRA is already merged into the base weights")
+        if self._depth:
+            raise LoRAError("merge_into_base inside suspended(): merge before serving")
         with torch.no_grad():
             for name, layer in self.layers.items():
-                w = self._base[name]
-                a = layer.lora_A[ADAPTER_NAME].weight.float()
-                b = layer.lora_B[ADAPTER_NAME].weight.float()
-                merged = w.float() + layer.scaling[ADAPTER_NAME] * (b @ a)
-                bank[name] = torch.nn.Parameter(merged.to(w.dtype), requires_grad=False)
-        self._merged = bank
-
-    def use_merged(self, enabled: bool) -> None:
-        """Serve the student from the merged bank (switched by reference) instead of the side branch."""
-        if enabled and self._merged is None:
-            raise LoRAError("use_merged(True) before build_merged_bank()")
-        self._use_merged = enabled
+                weight = layer.get_base_layer().weight
+                if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise LoRAError(f"{name}: cannot merge the LoRA into a {weight.dtype} weight (merge before FP8)")
+                a = layer.lora_A[ADAPTER_NAME].weight.float()  # [rank, in]
+                b = layer.lora_B[ADAPTER_NAME].weight.float()  # [out, rank]
+                scale = layer.scaling[ADAPTER_NAME]
+                weight.copy_((weight.float() + scale * (b @ a)).to(weight.dtype))  # [out, in]
+                layer.scaling[ADAPTER_NAME] = -scale
+        self.merged = True
         self._apply()

@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.dit.adaln_cache import AdaLNCacheReport, install_adaln_cache
 from services.dit.fused import cuda_compiled, gated_residual, norm_modulate, qk_norm_rope, rms_norm, swiglu
@@ -131,6 +132,27 @@ class NoShard:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+SDPA_ORDERS = {"default": None,
+               "cudnn": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                         SDPBackend.MATH)}
+"""`dit.attention` -> the order this process tries SDPA kernels in (None: torch's own, flash first). The kernels
+after the first are fallbacks for inputs it cannot take."""
+_HELD_SDPA_ORDERS: list = []
+
+
+def prefer_sdpa_kernels(name: str) -> None:
+    """Make `SDPA_ORDERS[name]` the SDPA kernel order of this whole process (every thread), for good.
+
+    torch keeps the order in process-global state, so each DiT rank calls this for itself.
+    """
+    if name not in SDPA_ORDERS:
+        raise ValueError(f"unknown SDPA kernel order {name!r}: use one of {sorted(SDPA_ORDERS)}")
+    if SDPA_ORDERS[name] is not None:
+        held = sdpa_kernel(list(SDPA_ORDERS[name]), set_priority=True)
+        held.__enter__()  # never exited; kept referenced, as collecting the context would restore the old order
+        _HELD_SDPA_ORDERS.append(held)
 
 
 def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None

@@ -21,7 +21,7 @@ from services.dit.fp8 import quantize_linears
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, DiT, FullAttention, build_random
+from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_sdpa_kernels
 from services.dit.runtime import DiTRuntime
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.teacher import request_audio_shapes
@@ -39,7 +39,8 @@ def runtime_timesteps() -> list[float]:
 
 
 def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
-    """Build one rank's runtime on `device`: base DiT, TaoMate LoRA, then FP8 and the AdaLN cache if configured.
+    """Build one rank's runtime on `device`: base DiT, TaoMate LoRA (merged into the base weights if configured),
+    then FP8 and the AdaLN cache if configured; this process's SDPA kernel order.
 
     Module-level so the DiT group can pickle it to its worker ranks (each sees its GPU as `device`).
     """
@@ -48,6 +49,7 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     dtype = getattr(torch, cfg.dtype)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams, compiled kernels and graph pools follow the current device
+    prefer_sdpa_kernels(cfg.attention)
     root = pathlib.Path(model_cfg.dir)
     if model_cfg.random_weights_on_device:
         model = build_random(args, device, dtype, seed=0)
@@ -55,8 +57,10 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     else:
         model = load_dit(root / "MiniMax-H3" / "FL2VA" / "transformer", args, device, dtype)
         adapter = LoRAAdapter.load(model, root / "TaoMate-H3", dtype=dtype)
+    if cfg.merge_lora:
+        adapter.merge_into_base()
     if cfg.fp8:
-        report = quantize_linears(model)  # after LoRA: the side branch stays BF16
+        report = quantize_linears(model)  # after LoRA (and its merge): the side branch stays BF16
         log.info("FP8: %d block linears quantised, %d kept in BF16, %.1f -> %.1f GiB", len(report.quantized),
                  len(report.kept), report.bytes_before / 2**30, report.bytes_after / 2**30)
     if cfg.adaln_cache:
@@ -77,7 +81,8 @@ def compile_block_regions(model: DiT, adapter: LoRAAdapter) -> None:
     Compiling takes minutes on first use; inside a lock-step step of a Ulysses group one rank would then hold the
     others at a collective past its timeout. Shapes are dynamic, so small forwards cover every phase size; the
     variants are the LoRA on (students, commit) and off (teacher), and a layout of one timestep (the clean commit,
-    the first teacher) or several (the compiler specialises a size of 1).
+    the first teacher) or several (the compiler specialises a size of 1). With the LoRA merged, the side branch
+    runs in the teacher's variant instead of the students'.
     """
     started = time.perf_counter()
     dev = model.condition_proj.weight.device

@@ -14,6 +14,8 @@ def test_shipped_profiles_load(name):
     profile = load_profile(ROOT / "configs" / f"{name}.yaml")
     assert profile.name == name
     assert profile.dit.usp_degree == {"tiny_cpu": 1, "usp2_fp8": 2, "usp4_bf16": 4}[name]
+    gpu = name != "tiny_cpu"  # the GPU profiles serve merged LoRA weights and try cuDNN's attention first
+    assert (profile.dit.merge_lora, profile.dit.attention) == ((True, "cudnn") if gpu else (False, "default"))
 
 
 def test_unknown_key_is_named(tmp_path):
@@ -30,6 +32,10 @@ def test_bad_values_are_named():
         DiTConfig(devices=("cuda:0", "cuda:1", "cuda:2"))
     with pytest.raises(ValueError, match="entry 200"):
         DiTConfig(canvas_short_edges=(200,))
+    with pytest.raises(ValueError, match="dit.attention='flash3': use one of \\('default', 'cudnn'\\)"):
+        DiTConfig(attention="flash3")
+    with pytest.raises(ValueError, match="dit.merge_lora='yes': must be true or false"):
+        DiTConfig(merge_lora="yes")
 
 
 def test_vae_tile_overlap_is_validated():
