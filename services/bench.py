@@ -39,7 +39,7 @@ from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
 from services.dit.teacher import STEPS as TEACHER_STEPS
 from services.encoder.model import TextEncoder
-from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
+from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder, warm_up_video
 from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
 from services.vae.mux import FragmentedMP4Muxer
 
@@ -182,7 +182,11 @@ def vae_worker(opts, inbox, outbox) -> None:
     with torch.inference_mode():
         vae = build_video_vae(opts.preset).to(device, dtype).eval()
         replicas = [copy.deepcopy(vae).to(d) for d in opts.vae_tile_devices.split(",") if d]
-        vdec = IncrementalVideoDecoder(VideoDecoder(vae, tile_overlap=opts.tile_overlap, tile_replicas=replicas))
+        decoder = VideoDecoder(vae, tile_overlap=opts.tile_overlap, tile_replicas=replicas,
+                               compile_blocks=opts.vae_compile)
+        if opts.vae_compile:
+            warm_up_video(decoder, opts.width, opts.height)
+        vdec = IncrementalVideoDecoder(decoder)
         adec = IncrementalAudioDecoder(AudioDecoder(build_audio_vae(opts.preset).to(device).eval()))
         mux = None
         outbox.put("ready")
@@ -330,7 +334,8 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
              f"GPUs={gpus}; " + (
                  "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
                  f"VAE + mux in their own process on {opts.devices.split(',')[-1]} (tiles overlap >= "
-                 f"{opts.tile_overlap} px, tiles shared with {opts.vae_tile_devices or 'no other device'}), "
+                 f"{opts.tile_overlap} px, tiles shared with {opts.vae_tile_devices or 'no other device'}, "
+                 f"ViT blocks compiled: {opts.vae_compile}), "
                  f"pipelined with a window of {opts.window} phases"),
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
@@ -449,6 +454,9 @@ def main() -> None:
                         help="minimum overlap of the video decode tiles in px (vae.tile_overlap_px)")
     parser.add_argument("--vae-tile-devices", default="",
                         help="comma-separated further devices that decode a share of the video tiles (vae.tile_devices)")
+    parser.add_argument("--vae-compile", action="store_true",
+                        help="torch.compile the video decoder's ViT blocks, warmed up before the session "
+                             "(vae.compile_blocks)")
     parser.add_argument("--no-vae", action="store_true",
                         help="no decode or mux: a chunk counts as delivered when the DiT hands it over")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,

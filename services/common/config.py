@@ -179,9 +179,18 @@ class VAEConfig:
     tile_devices: tuple[str, ...] = ()
     """Further devices that each hold a copy of the video decoder and decode an equal share of every phase's tiles
     beside `device` (e.g. the other GPU of a usp2 node, so both DiT ranks lose the same time to the decode)."""
+    compile_blocks: bool = False
+    """torch.compile the video decoder's ViT blocks (CUDA devices only): a third less decode time on an H200, with
+    frames within BF16 rounding of the eager decode instead of bitwise equal to it. Every phase shape of the
+    allowed canvases is compiled at start-up (the warm-up), so nothing compiles while serving."""
 
     def __post_init__(self):
         _check_dtype("vae.dtype", self.dtype)
+        if not isinstance(self.compile_blocks, bool):
+            raise ValueError(f"vae.compile_blocks={self.compile_blocks!r}: must be true or false")
+        if self.compile_blocks and not all(d.startswith("cuda") for d in (self.device, *self.tile_devices)):
+            raise ValueError(f"vae.compile_blocks needs CUDA devices, got vae.device={self.device!r} and "
+                             f"vae.tile_devices={list(self.tile_devices)}")
         if not isinstance(self.tile_overlap_px, int) or not 16 <= self.tile_overlap_px < 256 \
                 or self.tile_overlap_px % 16:
             raise ValueError(f"vae.tile_overlap_px={self.tile_overlap_px!r}: must be a multiple of 16 from 16 to 240")

@@ -105,6 +105,19 @@ class IncrementalVideoDecoder:
         return frames
 
 
+WARMUP_PHASE_LATENTS = (12, 10, 5)
+"""A stream's phase sizes: the first call (2 + 5k latents, 12 in request 0), then 10- and 5-latent phases."""
+
+
+def warm_up_video(decoder: VideoDecoder, width: int, height: int) -> None:
+    """Decode one stream of zero latents at this canvas through every phase size, so whatever the decoder compiles
+    or tunes per shape happens now and not while serving."""
+    stream = IncrementalVideoDecoder(decoder)
+    grid = (decoder.vae.config.latent_channels, height // decoder.spatial_ratio, width // decoder.spatial_ratio)
+    for num in WARMUP_PHASE_LATENTS:
+        stream.decode_pixels(torch.zeros(num, *grid))  # [num, 24, h, w]
+
+
 class IncrementalAudioDecoder:
     """Decode one phase of stereo audio latents at a time with left context and right padding."""
 

@@ -113,7 +113,7 @@ class VideoDecoder:
     """Normalised video latents `[F, 24, h, w]` -> RGB frames; every tile of every clip in one batched ViT call."""
 
     def __init__(self, vae: AutoencoderKLMiniMaxH3, max_batch: int = 64, tile_overlap: int | None = None,
-                 tile_replicas: Sequence[AutoencoderKLMiniMaxH3] = ()) -> None:
+                 tile_replicas: Sequence[AutoencoderKLMiniMaxH3] = (), compile_blocks: bool = False) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch (tiles per ViT call) must be a positive int, got {max_batch!r}")
         if tile_overlap is not None:  # the minimum overlap of neighbouring tiles, in pixels (release: 64)
@@ -132,6 +132,9 @@ class VideoDecoder:
                 raise ValueError("a tile replica of the video VAE must have the primary's config")
         self.replicas = [replica.eval() for replica in tile_replicas]
         """Copies of the network on other devices: each decodes an equal share of every phase's tiles, at once."""
+        if compile_blocks:  # each ViT block compiled for the shapes it meets (see `warm_up_video`)
+            for net in (self.vae, *self.replicas):
+                net.compile_repeated_blocks()
         self._pool = ThreadPoolExecutor(len(self.replicas), "vae-tiles") if self.replicas else None
         stats = dict(device=self.device, dtype=torch.float32)
         # mean/std: [1, C, 1, 1, 1] for the [B, C, F, h, w] diffusers layout.

@@ -18,7 +18,8 @@ from services.common.errors import InvalidInput, NotReady
 from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.vae.checkpoint import load_audio_vae, load_video_vae
-from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
+from services.gateway.config import GatewayConfig
+from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder, warm_up_video
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder
 from services.vae.mux import FragmentedMP4Muxer
 
@@ -97,12 +98,20 @@ class VAEService(Stage):
         dtype = getattr(torch, cfg.dtype)
         replicas = [load_video_vae(root, device, dtype) for device in cfg.tile_devices]
         self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype), tile_overlap=cfg.tile_overlap_px,
-                                  tile_replicas=replicas)
+                                  tile_replicas=replicas, compile_blocks=cfg.compile_blocks)
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
         log.info("VAE loaded on %s (%s), video tiles shared with %s", cfg.device, cfg.dtype, list(cfg.tile_devices))
 
     def warmup(self) -> None:
-        """Decode one short phase so kernels and the encoders are ready."""
+        """Decode one short phase so kernels and the encoders are ready; with compiled ViT blocks, every phase
+        shape of the gateway's allowed canvases first."""
+        if self.profile.vae.compile_blocks:
+            started = time.perf_counter()
+            canvases = self.profile.gateway.get("allowed_canvases", GatewayConfig.allowed_canvases)
+            for width, height in canvases:
+                warm_up_video(self.video, width, height)
+            log.info("video decoder compiled for %s in %.1f s", [f"{w}x{h}" for w, h in canvases],
+                     time.perf_counter() - started)
         ratio = self.video.spatial_ratio
         session = self.open(4 * ratio, 4 * ratio, VIDEO_FPS, AUDIO_SAMPLE_RATE)
         session.phase(torch.zeros(12, self.video.vae.config.latent_channels, 4, 4),

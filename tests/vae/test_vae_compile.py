@@ -1,0 +1,59 @@
+"""`vae.compile_blocks`: the video decoder's ViT blocks compiled, warmed up at start-up, close to the eager decode."""
+import copy
+
+import pytest
+import torch
+
+from services.common.config import VAEConfig
+from services.vae.checkpoint import load_video_vae, write_random_checkpoint
+from services.vae.incremental import WARMUP_PHASE_LATENTS, IncrementalVideoDecoder, warm_up_video
+from services.vae.model import VideoDecoder
+
+PHASES = [12, 10, 10, 5, 10]  # a stream's first call, then later phases of both sizes
+
+
+@pytest.mark.cpu
+def test_compile_blocks_is_validated():
+    assert VAEConfig(device="cuda:1", tile_devices=("cuda:0",), compile_blocks=True).compile_blocks
+    with pytest.raises(ValueError, match="vae.compile_blocks needs CUDA devices"):
+        VAEConfig(device="cpu", compile_blocks=True)
+    with pytest.raises(ValueError, match="vae.compile_blocks needs CUDA devices.*tile_devices=\\['cpu'\\]"):
+        VAEConfig(device="cuda:0", tile_devices=("cpu",), compile_blocks=True)
+    with pytest.raises(ValueError, match="vae.compile_blocks=1: must be true or false"):
+        VAEConfig(compile_blocks=1)
+
+
+@pytest.mark.cpu
+def test_warm_up_decodes_every_phase_size_of_a_stream(tmp_path):
+    decoder = VideoDecoder(load_video_vae(write_random_checkpoint("tiny", tmp_path, seed=3)))
+    seen = []
+    real = decoder.decode_pixels
+    decoder.decode_pixels = lambda latents: seen.append(tuple(latents.shape)) or real(latents)
+    warm_up_video(decoder, width=96, height=64)
+    # the first call as it comes, later ones behind the 2 carried latents, on the canvas's latent grid
+    assert WARMUP_PHASE_LATENTS == (12, 10, 5)
+    assert seen == [(12, 24, 4, 6), (12, 24, 4, 6), (7, 24, 4, 6)]
+
+
+@pytest.mark.gpu
+def test_compiled_blocks_match_eager_and_compile_nothing_after_warm_up(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch._dynamo.utils import counters
+
+    vae = load_video_vae(write_random_checkpoint("tiny", tmp_path, seed=3), "cuda", torch.bfloat16)
+    eager = IncrementalVideoDecoder(VideoDecoder(copy.deepcopy(vae), tile_overlap=16))
+    decoder = VideoDecoder(vae, tile_overlap=16, compile_blocks=True)
+    width, height = 320, 192
+    warm_up_video(decoder, width, height)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the warm-up compiled
+    compiled = IncrementalVideoDecoder(decoder)
+    z = torch.randn(sum(PHASES), 24, height // 16, width // 16, generator=torch.Generator().manual_seed(0))
+    start = 0
+    for n in PHASES:
+        want, got = eager.decode_pixels(z[start:start + n]), compiled.decode_pixels(z[start:start + n])
+        start += n
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() < 3e-2  # BF16 rounding of fused ops, RGB in [0, 1]
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled while "serving"
