@@ -101,8 +101,8 @@ class DiTConfig:
     """Fold the LoRA into the base weights (before FP8): the students and the commit then run one GEMM per linear,
     and the audio teacher subtracts the LoRA side branch instead of the students adding it. Same memory."""
     attention: str = "default"
-    """SDPA kernel tried first by every DiT rank: "default" (torch's order, flash first) or "cudnn" (cuDNN's
-    attention, faster on Hopper at these shapes); the others stay as fallbacks for inputs a kernel cannot take."""
+    """SDPA kernel order of every DiT rank: "default" (torch's own choice) or "cudnn" (cuDNN's attention first,
+    the fastest on Hopper at these shapes); the others stay as fallbacks for inputs a kernel cannot take."""
     audio_reset_requests: int = 12
     """Drop the audio KV history every this many requests."""
     hold_poll_seconds: float = 0.02

@@ -137,8 +137,8 @@ class NoShard:
 SDPA_ORDERS = {"default": None,
                "cudnn": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                          SDPBackend.MATH)}
-"""`dit.attention` -> the order this process tries SDPA kernels in (None: torch's own, flash first). The kernels
-after the first are fallbacks for inputs it cannot take."""
+"""`dit.attention` -> the order this process tries SDPA kernels in (None: torch's own choice). The kernels after
+the first are fallbacks for inputs it cannot take."""
 _HELD_SDPA_ORDERS: list = []
 
 

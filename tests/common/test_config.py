@@ -14,8 +14,9 @@ def test_shipped_profiles_load(name):
     profile = load_profile(ROOT / "configs" / f"{name}.yaml")
     assert profile.name == name
     assert profile.dit.usp_degree == {"tiny_cpu": 1, "usp2_fp8": 2, "usp4_bf16": 4}[name]
-    gpu = name != "tiny_cpu"  # the GPU profiles serve merged LoRA weights and try cuDNN's attention first
+    gpu = name != "tiny_cpu"  # the GPU profiles serve merged LoRA weights and try cuDNN's attention first,
     assert (profile.dit.merge_lora, profile.dit.attention) == ((True, "cudnn") if gpu else (False, "default"))
+    assert profile.vae.compile_blocks == gpu  # and the video decoder's ViT blocks compiled
 
 
 def test_unknown_key_is_named(tmp_path):
