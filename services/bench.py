@@ -2,14 +2,15 @@
 
 Runs the whole generation path with random weights built on the devices (no files), pipelined as the stage
 services run it: text encoder and DiT streaming runtime (LoRA student, audio teacher, clean commit; one rank here,
-the others in the DiT group's processes) in this process; incremental video/audio decode and the fMP4 muxer in a
-separate VAE process on the last device, fed through a queue with the DiT at most `dit.max_phases_ahead` phases
-ahead of delivered chunks (the services' credit window). So the VAE shares its GPU with a DiT rank exactly as in
-the usp2 profile, and the real-time factor is measured, not added up. A new prompt every request; the latents'
-host-bytes transport encoded and decoded as between processes. Prints per-request stage times, the interval
-between delivered chunks and its real-time factor, time to first chunk (cold and warm), GPU memory after every
-request, start-up time, the FLOP count and floor of each request, and (with --baseline) the same DiT phase forward
-through diffusers' `MiniMaxH3Transformer3DModel` beside ours. Knows nothing about gRPC or websockets.
+the others in the DiT group's processes) in this process; the VAE service's per-stream decode and fMP4 mux
+(`DecodeSession`) in a separate VAE process on the last device, fed through a queue with the DiT at most
+`dit.max_phases_ahead` phases ahead of delivered chunks (the services' credit window). So the VAE shares its
+GPU with a DiT rank exactly as in the usp2 profile, and the real-time factor is measured, not added up. A new
+prompt every request; the latents' host-bytes transport encoded and decoded as between processes. Prints
+per-request stage times, the interval between delivered chunks and its real-time factor, time to first chunk
+(cold and warm), GPU memory after every request, start-up time, the FLOP count and floor of each request, and
+(with --baseline) the same DiT phase forward through diffusers' `MiniMaxH3Transformer3DModel` beside ours.
+Knows nothing about gRPC or websockets.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import functools
 import gc
 import logging
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -39,9 +42,9 @@ from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
 from services.dit.teacher import STEPS as TEACHER_STEPS
 from services.encoder.model import TextEncoder
-from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder, warm_up_video
+from services.vae.incremental import warm_up_video
 from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
-from services.vae.mux import FragmentedMP4Muxer
+from services.vae.service import DecodeSession
 
 log = logging.getLogger("services.bench")
 
@@ -186,25 +189,19 @@ def vae_worker(opts, inbox, outbox) -> None:
                                compile_blocks=opts.vae_compile)
         if opts.vae_compile:
             warm_up_video(decoder, opts.width, opts.height)
-        vdec = IncrementalVideoDecoder(decoder)
-        adec = IncrementalAudioDecoder(AudioDecoder(build_audio_vae(opts.preset).to(device).eval()))
-        mux = None
+        audio = AudioDecoder(build_audio_vae(opts.preset).to(device).eval())
+        lock, audio_worker, session = threading.Lock(), ThreadPoolExecutor(1, "vae-audio"), None
         outbox.put("ready")
         while (msg := inbox.get()) is not None:
-            if msg[0] == "reset":
-                vdec.reset()
-                adec.reset()
-                mux = FragmentedMP4Muxer(opts.width, opts.height, fps=VIDEO_FPS, sample_rate=AUDIO_SAMPLE_RATE)
+            if msg[0] == "reset":  # the VAE service's own per-stream decode and mux
+                session = DecodeSession(decoder, audio, opts.width, opts.height, VIDEO_FPS, AUDIO_SAMPLE_RATE,
+                                        VAEConfig().x264_preset, lock, audio_worker)
                 continue
-            _, video, audio = msg
-            t0 = time.perf_counter()
-            frames = vdec.decode(video.to(device))  # uint8 frames on the host
-            t1 = time.perf_counter()
-            samples = adec.decode(audio.to(device))
-            t2 = time.perf_counter()
-            data = mux.encode(frames.numpy(), samples.numpy())
-            outbox.put(dict(video_decode=t1 - t0, audio_decode=t2 - t1, mux=time.perf_counter() - t2,
-                            bytes=len(data), delivered=time.monotonic()))
+            _, video, audio_latents = msg
+            chunk = session.phase(video.to(device), audio_latents.to(device))
+            outbox.put(dict(video_decode=chunk.video_decode_seconds, audio_decode=chunk.audio_decode_seconds,
+                            mux=chunk.mux_seconds, bytes=len(chunk.data), delivered=time.monotonic()))
+        audio_worker.shutdown()
 
 
 class VAEStage:

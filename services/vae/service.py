@@ -9,6 +9,8 @@ import logging
 import pathlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +43,7 @@ class DecodeSession:
     """One stream's decoders and muxer; `phase()` is called once per DiT phase, in order."""
 
     def __init__(self, video: VideoDecoder, audio: AudioDecoder, width: int, height: int, fps: int,
-                 sample_rate: int, x264_preset: str, lock: threading.Lock):
+                 sample_rate: int, x264_preset: str, lock: threading.Lock, audio_worker: ThreadPoolExecutor):
         if sample_rate != audio.sample_rate:
             raise InvalidInput(f"sample_rate={sample_rate}: the audio decoder produces {audio.sample_rate} Hz")
         if width % video.spatial_ratio or height % video.spatial_ratio:
@@ -52,27 +54,47 @@ class DecodeSession:
         self.mux = FragmentedMP4Muxer(width, height, fps=fps, sample_rate=sample_rate,
                                       codec_options={"preset": x264_preset})
         self._lock = lock
+        self._audio_worker = audio_worker
 
     def phase(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> Chunk:
-        """Decode one phase ([F, 24, h, w] video, [2, A, 32] audio latents) and mux it."""
+        """Decode one phase ([F, 24, h, w] video, [2, A, 32] audio latents) and mux it.
+
+        The audio decodes in the worker thread while the video decodes here: the audio decoder's many small kernels
+        are queued while the GPU runs the video's ViT, instead of after it.
+        """
         # video_latents: [F, 24, h, w]; the latent grid must match the canvas.
         expected = (self.height // self.video.decoder.spatial_ratio, self.width // self.video.decoder.spatial_ratio)
         if video_latents.ndim == 4 and tuple(video_latents.shape[2:]) != expected:
             raise InvalidInput(f"video latents grid {tuple(video_latents.shape[2:])} does not match the "
                                f"{self.width}x{self.height} canvas (expected {expected})")
-        try:
-            with self._lock:  # one decode at a time on the shared device
-                t0 = time.perf_counter()
-                frames = self.video.decode(video_latents)  # [N, H, W, 3] uint8
-                t1 = time.perf_counter()
-                samples = self.audio.decode(audio_latents)  # [2, S] float32
-                t2 = time.perf_counter()
+        try:  # both checked before either decoder advances its carried context
+            self.video.decoder.validate(video_latents)
+            self.video.expected_frames(video_latents.shape[0])
+            self.audio.decoder.validate(audio_latents)
         except InvalidLatents as exc:
             raise InvalidInput(str(exc)) from None
+        with self._lock:  # one phase at a time on the shared devices
+            audio = self._audio_worker.submit(self._decode_audio, audio_latents)
+            t0 = time.perf_counter()
+            try:
+                frames = self.video.decode(video_latents)  # [N, H, W, 3] uint8
+            finally:
+                wait([audio])  # the audio decode never outlives the lock
+            video_seconds = time.perf_counter() - t0
+            samples, audio_seconds = audio.result()  # [2, S] float32
+        t2 = time.perf_counter()
         data = self.mux.encode(frames.numpy(), samples.numpy())
-        t3 = time.perf_counter()
         return Chunk(data=data, num_frames=frames.shape[0], num_audio_samples=samples.shape[1],
-                     video_decode_seconds=t1 - t0, audio_decode_seconds=t2 - t1, mux_seconds=t3 - t2)
+                     video_decode_seconds=video_seconds, audio_decode_seconds=audio_seconds,
+                     mux_seconds=time.perf_counter() - t2)
+
+    def _decode_audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(samples, seconds) of the audio decode, on the audio decoder's device (runs in the worker thread)."""
+        device = self.audio.decoder.device
+        started = time.perf_counter()
+        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+            samples = self.audio.decode(latents)
+        return samples, time.perf_counter() - started
 
     def close(self) -> Chunk:
         """Close the muxer: its last fragment holds the audio the AAC encoder still held (b'' when none)."""
@@ -90,6 +112,7 @@ class VAEService(Stage):
         self.video: VideoDecoder | None = None
         self.audio: AudioDecoder | None = None
         self._lock = threading.Lock()
+        self._audio_worker = ThreadPoolExecutor(1, "vae-audio")
 
     def start(self) -> None:
         """Load both decoders from the checkpoint tree."""
@@ -101,6 +124,10 @@ class VAEService(Stage):
                                   tile_replicas=replicas, compile_blocks=cfg.compile_blocks)
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
         log.info("VAE loaded on %s (%s), video tiles shared with %s", cfg.device, cfg.dtype, list(cfg.tile_devices))
+
+    def close(self) -> None:
+        """Stop the audio worker thread."""
+        self._audio_worker.shutdown(wait=True)
 
     def warmup(self) -> None:
         """Decode one short phase so kernels and the encoders are ready; with compiled ViT blocks, every phase
@@ -122,4 +149,4 @@ class VAEService(Stage):
         if self.video is None:
             raise NotReady("the VAE is still loading")
         return DecodeSession(self.video, self.audio, width, height, fps, sample_rate,
-                             self.profile.vae.x264_preset, self._lock)
+                             self.profile.vae.x264_preset, self._lock, self._audio_worker)

@@ -1,0 +1,90 @@
+"""The VAE service's per-stream decode: audio decoded in a worker thread beside the video, bytes unchanged."""
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from services.common.errors import InvalidInput
+from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
+from services.vae.checkpoint import load_audio_vae, load_video_vae, write_random_checkpoint
+from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
+from services.vae.model import AudioDecoder, VideoDecoder
+from services.vae.mux import FragmentedMP4Muxer
+from services.vae.service import DecodeSession
+
+pytestmark = pytest.mark.cpu
+
+WIDTH, HEIGHT = 96, 64
+PHASES = [(12, 65), (10, 57), (5, 29)]  # (video latents, audio latents per channel)
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory):
+    ckpt = write_random_checkpoint("tiny", tmp_path_factory.mktemp("vae"), seed=5)
+    return VideoDecoder(load_video_vae(ckpt)), AudioDecoder(load_audio_vae(ckpt))
+
+
+@pytest.fixture(scope="module")
+def worker():
+    pool = ThreadPoolExecutor(1, "vae-audio")
+    yield pool
+    pool.shutdown()
+
+
+def latents(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(v, 24, HEIGHT // 16, WIDTH // 16, generator=gen), torch.randn(2, a, 32, generator=gen))
+            for v, a in PHASES]
+
+
+def session(decoders, worker) -> DecodeSession:
+    video, audio = decoders
+    return DecodeSession(video, audio, WIDTH, HEIGHT, VIDEO_FPS, AUDIO_SAMPLE_RATE, "ultrafast", threading.Lock(),
+                         worker)
+
+
+def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker):
+    video, audio = decoders
+    vdec, adec = IncrementalVideoDecoder(video), IncrementalAudioDecoder(audio)
+    mux = FragmentedMP4Muxer(WIDTH, HEIGHT, fps=VIDEO_FPS, sample_rate=AUDIO_SAMPLE_RATE,
+                             codec_options={"preset": "ultrafast"})
+    phases = latents(1)
+    want = [mux.encode(vdec.decode(v).numpy(), adec.decode(a).numpy()) for v, a in phases] + [mux.close()]
+    stream = session(decoders, worker)
+    got = [stream.phase(v, a).data for v, a in phases] + [stream.close().data]
+    assert got == want
+
+
+def test_audio_decodes_in_the_worker_while_the_video_decodes(decoders, worker, monkeypatch):
+    stream = session(decoders, worker)
+    seen = {}
+    for name, obj in (("video", stream.video), ("audio", stream.audio)):
+        def spy(x, real=obj.decode, name=name):
+            started = time.perf_counter()
+            out = real(x)
+            seen[name] = (threading.current_thread().name, started, time.perf_counter())
+            return out
+        monkeypatch.setattr(obj, "decode", spy)
+    chunk = stream.phase(*latents(2)[0])
+    assert seen["video"][0] == threading.current_thread().name
+    assert seen["audio"][0].startswith("vae-audio")
+    assert seen["audio"][1] < seen["video"][2]  # the audio started before the video was done
+    assert chunk.audio_decode_seconds > 0 and chunk.video_decode_seconds > 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("audio", r"audio latents must be \[2, A, 32\]"),
+    ("video", "after the first phase each phase must hold a multiple of 5 video latents"),
+])
+def test_a_bad_phase_is_named_and_advances_neither_decoder(decoders, worker, bad, message):
+    phases = latents(3)
+    reference = session(decoders, worker)
+    want = [reference.phase(v, a).data for v, a in phases]
+    stream = session(decoders, worker)
+    stream.phase(*phases[0])
+    v, a = phases[1]
+    with pytest.raises(InvalidInput, match=message):
+        stream.phase(v[:7] if bad == "video" else v, a[:1] if bad == "audio" else a)
+    assert [stream.phase(v, a).data for v, a in phases[1:]] == want[1:]
