@@ -168,7 +168,7 @@ class FakeVAE:
         def phase(video, audio) -> Chunk:
             self.phases.append((float(video[0, 0, 0, 0]), float(audio[0, 0, 0])))
             return Chunk(data=b"phase-%d" % int(video[0, 0, 0, 0]), num_frames=4, num_audio_samples=640,
-                         video_decode_seconds=0.001, audio_decode_seconds=0.001, mux_seconds=0.001)
+                         video_decode_seconds=0.003, audio_decode_seconds=0.002, mux_seconds=0.001)
 
         def close() -> Chunk:
             return Chunk(data=b"", num_frames=0, num_audio_samples=0, video_decode_seconds=0.0,
@@ -310,6 +310,7 @@ async def test_gateway_hands_the_vae_hello_to_the_dit_and_relays_releases():
         pool = stages.pool
     assert stages.exporter.consumers[0] == VAE_HELLO
     assert [c.data for c in chunks] == [b"phase-%d" % i for i in range(12)]
+    assert {c.timings.vae for c in chunks} == {0.003}  # audio decodes beside the video: the larger of the two
     assert stages.vae.phases[:12] == [(float(i), -float(i)) for i in range(12)]
     assert stages.consumer.opened >= 24
     assert _count(metrics.TRANSPORT_TENSORS, peer="vae", mode="cuda_ipc") >= ipc_before + 24
