@@ -291,6 +291,7 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
                                    PromptUpdate(first.float(), "p0"))
     phases = [(k, p) for k in range(opts.requests) for p in range(PHASES_PER_REQUEST)][:max_phases or None]
     prompt_tokens = {0: first.shape[0]}
+    first_logged = False
     try:
         for k, p in phases:
             rec = {"request": k, "phase": p}
@@ -311,6 +312,9 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
             rec["transport"] = time.perf_counter() - t1
             vae.submit(video, audio)
             records.append(rec)
+            if not first_logged and vae.results:  # logged as soon as known, so a cut-off run keeps it
+                log.info("time to first chunk %.3f s", vae.results[0]["delivered"] - t_open)
+                first_logged = True
             if p == PHASES_PER_REQUEST - 1:  # the request is complete: logged now, so a cut-off run keeps it
                 rec["memory"] = gpu_memory_in_use()
                 done = records[-PHASES_PER_REQUEST:]
@@ -321,6 +325,8 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
         session.close()
     for rec, result in zip(records, vae.drain()):
         rec.update(result)
+    if not first_logged:  # a session too short for its first chunk to come back while it ran
+        log.info("time to first chunk %.3f s", records[0]["delivered"] - t_open)
     return records, records[0]["delivered"] - t_open
 
 

@@ -1,4 +1,5 @@
 """`python -m services.bench` runs end to end on the tiny preset on the CPU and prints its report."""
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,10 @@ def test_bench_runs_on_the_tiny_preset():
         # DiT seconds, the VAE process's video decode and mux, and the delivery interval were all measured
         assert float(cells[1]) > 0 and float(cells[6]) > 0 and float(cells[8]) > 0 and float(cells[9]) > 0
     assert "steady state (requests 1..1)" in out
+    # both sessions' first chunks were logged as they came, with the figures the summary prints
+    logged = re.findall(r"time to first chunk (\d+\.\d+) s", run.stderr)
+    summary = re.search(r"teacher: (\d+\.\d+) s \(first session after start-up\), (\d+\.\d+) s \(warm", out)
+    assert logged == list(summary.groups())
 
 
 @pytest.mark.cpu
