@@ -6,10 +6,11 @@ ONCE through torch's CUDA storage sharing (`UntypedStorage._share_cuda_`). It is
 stream, records the slot's interprocess CUDA event and returns a single `TensorPart(cuda=CudaIpcRef)`. The slot stays
 leased until the consumer sends `Release(pool_id, slot, generation)`; stale or doubled releases are rejected.
 
-Consumer: `open(part)` opens the pool on first sight (cached by pool id, so once per producer), makes its current
-stream wait on the slot's event (producer -> consumer ordering), copies the bytes out, waits for that copy to finish
-and returns the tensor together with the `Release` to send back. `view(part)` + `release_for(part)` is the zero-copy
-variant for a consumer that finishes with the data before releasing.
+Consumer: `open(part)` opens the pool on first sight (cached by pool id, so once per producer; opening a new one
+first forgets the pools of producers that have exited, so a restarted producer's old pool is unmapped), makes its
+current stream wait on the slot's event (producer -> consumer ordering), copies the bytes out, waits for that copy
+to finish and returns the tensor together with the `Release` to send back. `view(part)` + `release_for(part)` is the
+zero-copy variant for a consumer that finishes with the data before releasing.
 
 The proto has no separate "pool announcement" message, so `CudaIpcRef.pool_id` is self-describing: it carries the
 pool's export record (IPC memory handle, sizes, torch's ref-counter handle) as versioned JSON of plain
@@ -33,6 +34,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -316,6 +318,51 @@ class IpcProducer:
         return self.record.device_uuid
 
 
+def process_alive(pid: int) -> bool:
+    """True while a process with this pid exists (the stages share one PID namespace, as CUDA IPC needs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+class OpenPools:
+    """The producer pools a consumer has opened, by pool id, with the pid that exported each and its slots' events.
+
+    A producer that exits (a DiT or encoder restart) exports a new pool under a new id; `close_exited` drops the old
+    one's mapping and events, so the consumer does not keep the dead producer's memory mapped.
+    """
+
+    def __init__(self, alive: Callable[[int], bool] = process_alive):
+        self._alive = alive
+        self._pools: dict[str, tuple[torch.Tensor, int]] = {}  # pool id -> ([bytes] uint8 view, exporting pid)
+        self._events: dict[bytes, tuple[torch.cuda.Event, str]] = {}  # event handle -> (event, its pool id)
+
+    def get(self, pool_id: str) -> torch.Tensor | None:
+        entry = self._pools.get(pool_id)
+        return None if entry is None else entry[0]
+
+    def add(self, pool_id: str, pool: torch.Tensor, pid: int) -> None:
+        self._pools[pool_id] = (pool, pid)
+
+    def event(self, handle: bytes, pool_id: str, make: Callable[[], torch.cuda.Event]) -> torch.cuda.Event:
+        """The slot event of `handle`, made on first sight."""
+        if handle not in self._events:
+            self._events[handle] = (make(), pool_id)
+        return self._events[handle][0]
+
+    def close_exited(self) -> list[int]:
+        """Forget the pools (and their events) of producers that have exited; returns their pids."""
+        gone = {pool_id: pid for pool_id, (_, pid) in self._pools.items() if not self._alive(pid)}
+        for pool_id in gone:
+            del self._pools[pool_id]
+        self._events = {h: entry for h, entry in self._events.items() if entry[1] not in gone}
+        return sorted(gone.values())
+
+
 class IpcConsumer:
     """Opens the pools of the producers it hears from (once each) and reads their slots."""
 
@@ -323,8 +370,7 @@ class IpcConsumer:
         if not torch.cuda.is_available():
             raise IpcError("CUDA IPC needs CUDA in the consumer process")
         self._uuid_to_index = {u: i for i, u in enumerate(gpu_uuids())}
-        self._pools: dict[str, torch.Tensor] = {}  # pool id -> [storage_bytes] uint8 view of the producer's pool
-        self._events: dict[bytes, torch.cuda.Event] = {}
+        self._pools = OpenPools()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # open()'s own copy stream per device
         self._lock = threading.Lock()  # open() may run in several worker threads
 
@@ -332,6 +378,8 @@ class IpcConsumer:
         pool = self._pools.get(pool_id)
         if pool is not None:
             return pool
+        for pid in self._pools.close_exited():  # a new pool often means a producer restarted
+            log.info("closed the CUDA IPC pool of pid %d, which has exited", pid)
         rec = PoolRecord.from_pool_id(pool_id)
         if rec.device_uuid != device_uuid:
             raise IpcError(f"reference names GPU {device_uuid} but its pool lives on {rec.device_uuid}")
@@ -348,7 +396,7 @@ class IpcConsumer:
             raise IpcError(f"cannot open the CUDA IPC pool of pid {rec.pid} on cuda:{index}: {e}") from e
         pool = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
         pool.set_(storage, 0, (rec.storage_bytes,), (1,))
-        self._pools[pool_id] = pool
+        self._pools.add(pool_id, pool, rec.pid)
         log.info("opened CUDA IPC pool of pid %d on cuda:%d (%.1f MiB)", rec.pid, index, rec.storage_bytes / 2**20)
         return pool
 
@@ -359,10 +407,8 @@ class IpcConsumer:
         ref = part.cuda
         pool = self._pool(ref.pool_id, ref.device_uuid)
         dtype, shape = _check_ref(ref, part.meta, pool.numel())
-        event = self._events.get(ref.event_handle)
-        if event is None:
-            event = torch.cuda.Event.from_ipc_handle(pool.device, ref.event_handle)
-            self._events[ref.event_handle] = event
+        event = self._pools.event(ref.event_handle, ref.pool_id,
+                                  lambda: torch.cuda.Event.from_ipc_handle(pool.device, ref.event_handle))
         torch.cuda.current_stream(pool.device).wait_event(event)
         return pool[ref.offset_bytes:ref.offset_bytes + ref.nbytes].view(dtype).reshape(shape)
 

@@ -2,14 +2,16 @@
 and memory flatness across two processes (GPU)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from services.common import metrics
-from services.common.cuda_ipc import (MODE_HOST, MODE_IPC, IpcConsumer, IpcError, IpcProducer, PoolExhausted,
-                                      PoolRecord, SlotLedger, _check_ref, count_fallback, decide_transport,
-                                      local_hello, negotiate, read_boot_id)
+from services.common.cuda_ipc import (MODE_HOST, MODE_IPC, IpcConsumer, IpcError, IpcProducer, OpenPools,
+                                      PoolExhausted, PoolRecord, SlotLedger, _check_ref, count_fallback,
+                                      decide_transport, local_hello, negotiate, process_alive, read_boot_id)
 from services.common.stage_transport import send_tensor
 from vitascope.common.v1 import tensor_pb2 as pb
 
@@ -139,6 +141,34 @@ def test_ref_checks_bytes_and_bounds():
 def test_producer_refuses_cpu_device():
     with pytest.raises(IpcError, match="needs a CUDA device"):
         IpcProducer("cpu", 1 << 20)
+
+
+@pytest.mark.cpu
+def test_process_alive_tells_a_running_process_from_an_exited_one():
+    assert process_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # exited and reaped: its pid is free
+    assert not process_alive(child.pid)
+
+
+@pytest.mark.cpu
+def test_pools_of_exited_producers_are_forgotten_with_their_events():
+    alive = {10: True, 11: True}
+    pools = OpenPools(alive=lambda pid: alive[pid])
+    old, new = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    pools.add("pool-old", old, pid=10)
+    pools.add("pool-new", new, pid=11)
+    made = []
+    event = lambda name: (lambda: made.append(name) or name)  # noqa: E731
+    pools.event(b"ev-old", "pool-old", event("old"))
+    pools.event(b"ev-new", "pool-new", event("new"))
+    assert pools.close_exited() == []  # everyone alive: nothing forgotten
+    alive[10] = False  # the old producer restarted
+    assert pools.close_exited() == [10]
+    assert pools.get("pool-old") is None and pools.get("pool-new") is new
+    pools.event(b"ev-new", "pool-new", event("new again"))  # still cached
+    pools.event(b"ev-old", "pool-old", event("old again"))  # forgotten: made anew if ever seen again
+    assert made == ["old", "new", "old again"]
 
 
 @pytest.mark.gpu
