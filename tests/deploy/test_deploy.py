@@ -84,6 +84,7 @@ def test_gpu_compose_config_passes_per_profile(env_file, profile, gpus):
         assert svc["ipc"] == "service:pod" and svc["pid"] == "service:pod"
         assert svc["healthcheck"]["test"][-4:] == ["--addr", f"127.0.0.1:{port}", "--service", health]
         assert {"target": "/models", "read_only": True}.items() <= svc["volumes"][0].items()
+        assert {"type": "volume", "source": "compile-cache", "target": "/cache"}.items() <= svc["volumes"][1].items()
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert int(device["count"]) == gpus and device["capabilities"] == ["gpu"]
         assert services["gateway"]["depends_on"][name]["condition"] == "service_healthy"
@@ -154,6 +155,9 @@ def test_dockerfile_targets_pins_and_user():
             if req.startswith(f"{name}=="):
                 assert req == f"{name}=={version}", f"Dockerfile {req} vs pyproject {name}=={version}"
     assert text.count("USER vitascope") == 2  # both runnable targets drop root
+    stage = text.split("AS stage", 1)[1]  # compile caches on the volume the deployments mount at /cache
+    assert re.search(r"TORCHINDUCTOR_CACHE_DIR=/cache/\S+", stage) and re.search(r"TRITON_CACHE_DIR=/cache/\S+", stage)
+    assert "chown -R vitascope:vitascope /app /cache" in text
     for source in re.findall(r"^COPY --chown=\S+ (\S+) ", text, flags=re.M):
         assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
 
@@ -304,12 +308,14 @@ def test_pod_shares_gpus_ipc_and_pids_and_probes_each_stage(rendered):
     assert pod["securityContext"]["runAsNonRoot"] is True
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == "compile-cache")
     for name, (health, port) in HEALTH.items():
         c = containers[name]
         assert c["command"] == ["python", "-m", f"services.{name}"]
         assert c["resources"]["claims"] == [{"name": "gpus"}]  # one shared DRA claim
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
         assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "compile-cache", "mountPath": "/cache"} in c["volumeMounts"]  # outlives a restart
         assert c["readinessProbe"]["grpc"] == {"port": port, "service": health}
         assert c["livenessProbe"]["grpc"] == {"port": port, "service": ""}
         startup = c["startupProbe"]
