@@ -82,11 +82,11 @@ class DecodeSession:
                 wait([audio])  # the audio decode never outlives the lock
             video_seconds = time.perf_counter() - t0
             samples, audio_seconds = audio.result()  # [2, S] float32
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         data = self.mux.encode(frames.numpy(), samples.numpy())
         return Chunk(data=data, num_frames=frames.shape[0], num_audio_samples=samples.shape[1],
                      video_decode_seconds=video_seconds, audio_decode_seconds=audio_seconds,
-                     mux_seconds=time.perf_counter() - t2)
+                     mux_seconds=time.perf_counter() - t1)
 
     def _decode_audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, float]:
         """(samples, seconds) of the audio decode, on the audio decoder's device (runs in the worker thread)."""
