@@ -202,3 +202,48 @@ def test_two_process_round_trip_and_flat_memory():
     assert result["mismatches"] == 0
     assert result["producer_growth_bytes"] == 0
     assert result["consumer_growth_bytes"] == 0
+
+
+def _short_lived_producer(conn, pool_mib: int) -> None:
+    """Export one small tensor from a pool of `pool_mib` MiB, send the part, exit when told to."""
+    producer = IpcProducer(0, pool_mib << 20, num_slots=1)
+    (part,) = send_tensor(torch.full((4,), 7.0, device="cuda"), producer, "restart_test")
+    torch.cuda.synchronize()
+    conn.send_bytes(part.SerializeToString())
+    conn.recv()  # "exit"
+    del producer
+
+
+@pytest.mark.gpu
+def test_a_restarted_producer_leaves_no_pool_mapped_in_the_consumer():
+    import multiprocessing as mp
+
+    pool_mib = 512
+    ctx = mp.get_context("spawn")
+    consumer = IpcConsumer()
+
+    def start():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_short_lived_producer, args=(child, pool_mib), daemon=True)
+        proc.start()
+        assert parent.poll(120), "producer did not export"
+        return proc, parent, pb.TensorPart.FromString(parent.recv_bytes())
+
+    first, first_conn, part = start()
+    tensor, _ = consumer.open(part)
+    assert tensor.tolist() == [7.0] * 4
+    first_conn.send("exit")
+    first.join(60)
+    assert not process_alive(first.pid)
+    second, second_conn, part = start()
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info(0)
+    tensor, _ = consumer.open(part)  # a new pool: the exited producer's is closed first
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info(0)
+    assert tensor.tolist() == [7.0] * 4
+    # the first producer's pool was only kept alive by this consumer's mapping; closing it frees it on the device
+    assert free_after - free_before >= 0.9 * (pool_mib << 20), (free_before, free_after)
+    second_conn.send("exit")
+    second.join(60)
+
