@@ -1,4 +1,4 @@
-"""Session benchmark on one GPU group: `python -m services.bench --requests 4 --fp8 --adaln-cache --baseline`.
+"""Session benchmark on one GPU group: `python -m services.bench --profile configs/usp2_fp8.yaml --requests 4`.
 
 Runs the whole generation path with random weights built on the devices (no files), pipelined as the stage
 services run it: text encoder and DiT streaming runtime (LoRA student, audio teacher, clean commit; one rank here,
@@ -10,7 +10,8 @@ prompt every request; the latents' host-bytes transport encoded and decoded as b
 per-request stage times, the interval between delivered chunks and its real-time factor, time to first chunk
 (cold and warm), GPU memory after every request, start-up time, the FLOP count and floor of each request, and
 (with --baseline) the same DiT phase forward through diffusers' `MiniMaxH3Transformer3DModel` beside ours.
-Knows nothing about gRPC or websockets.
+`--profile` takes the devices, canvas and every serving option from a deployment profile (what it serves is what is
+measured); without it the flags set them one by one. Knows nothing about gRPC or websockets.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ import torch
 
 from peft.tuners.lora import LoraLayer
 
-from services.common.config import SDPA_KERNELS, DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig
+from services.common.config import (SDPA_KERNELS, DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig,
+                                    load_profile)
 from services.common.cuda_graphs import PromptBuckets
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.transport import TensorAssembler, tensor_to_parts
@@ -42,6 +44,7 @@ from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
 from services.dit.teacher import STEPS as TEACHER_STEPS
 from services.encoder.model import TextEncoder
+from services.gateway.config import GatewayConfig
 from services.vae.incremental import warm_up_video
 from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
 from services.vae.service import DecodeSession
@@ -432,8 +435,33 @@ def baseline(opts, device, model: DiT) -> dict:
     return {"rows": real, "ours_s": ours, "diffusers_s": theirs}
 
 
+PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
+                   "prompt_buckets", "attention", "merge_lora", "tile_overlap", "vae_tile_devices", "vae_compile",
+                   "window")
+"""The bench options `--profile` takes from a deployment profile."""
+
+
+def profile_options(profile: Profile) -> dict:
+    """The bench options a deployment profile implies: its DiT, encoder and VAE settings and its default canvas."""
+    dit, vae = profile.dit, profile.vae
+    if vae.device != dit.devices[-1] or profile.encoder.device != dit.devices[0]:
+        raise ValueError(f"profile {profile.name}: the bench runs the encoder on the first DiT device and the VAE on "
+                         f"the last ({dit.devices[0]}, {dit.devices[-1]}); the profile puts them on "
+                         f"{profile.encoder.device} and {vae.device}")
+    width, height = profile.gateway.get("default_canvas", GatewayConfig.default_canvas)
+    return dict(preset=profile.model.preset, devices=",".join(dit.devices), width=width, height=height,
+                max_tokens=profile.encoder.max_tokens, fp8=dit.fp8, adaln_cache=dit.adaln_cache,
+                cuda_graphs=dit.cuda_graphs, prompt_buckets=",".join(map(str, dit.prompt_buckets)),
+                attention=dit.attention, merge_lora=dit.merge_lora, tile_overlap=vae.tile_overlap_px,
+                vae_tile_devices=",".join(vae.tile_devices), vae_compile=vae.compile_blocks,
+                window=dit.max_phases_ahead)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default=None,
+                        help="take the options below that a deployment profile sets from this YAML (for example "
+                             "configs/usp2_fp8.yaml), so the bench measures what the profile serves")
     parser.add_argument("--preset", default="full", choices=sorted(PRESETS))
     parser.add_argument("--devices", default="cuda:0",
                         help="comma-separated DiT devices, one per Ulysses rank; encoder on the first, VAE on the last")
@@ -456,7 +484,8 @@ def main() -> None:
     parser.add_argument("--tile-overlap", type=int, default=VAEConfig().tile_overlap_px,
                         help="minimum overlap of the video decode tiles in px (vae.tile_overlap_px)")
     parser.add_argument("--vae-tile-devices", default="",
-                        help="comma-separated further devices that decode a share of the video tiles (vae.tile_devices)")
+                        help="comma-separated further devices that decode a share of the video tiles "
+                             "(vae.tile_devices)")
     parser.add_argument("--vae-compile", action="store_true",
                         help="torch.compile the video decoder's ViT blocks, warmed up before the session "
                              "(vae.compile_blocks)")
@@ -465,6 +494,15 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,
                         help="phases the DiT may run ahead of delivered chunks (the services' dit.max_phases_ahead)")
     opts = parser.parse_args()
+    if opts.profile is not None:
+        given = [f"--{name.replace('_', '-')}" for name in PROFILE_OPTIONS
+                 if getattr(opts, name) != parser.get_default(name)]
+        if given:
+            parser.error(f"--profile sets {', '.join(given)} itself; drop them or leave out --profile")
+        try:
+            vars(opts).update(profile_options(load_profile(opts.profile)))
+        except ValueError as e:
+            parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(opts.devices.split(",")[0])
     torch.manual_seed(0)

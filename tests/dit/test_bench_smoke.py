@@ -1,9 +1,12 @@
 """`python -m services.bench` runs end to end on the tiny preset on the CPU and prints its report."""
+import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.cpu
@@ -36,3 +39,27 @@ def test_bench_without_the_vae_counts_delivery_at_the_dit():
     row = next(line for line in run.stdout.splitlines() if line.strip().startswith("1 |"))
     cells = [c.strip() for c in row.split("|")]
     assert float(cells[6]) == 0 and float(cells[1]) > 0 and float(cells[9]) > 0  # no decode; DiT and delivery
+
+
+@pytest.mark.cpu
+def test_bench_takes_its_options_from_a_profile():
+    from services.bench import PROFILE_OPTIONS, profile_options
+    from services.common.config import load_profile
+
+    usp2 = profile_options(load_profile(ROOT / "configs" / "usp2_fp8.yaml"))
+    assert set(usp2) == set(PROFILE_OPTIONS)
+    assert usp2 == dict(preset="full", devices="cuda:0,cuda:1", width=864, height=480, max_tokens=512, fp8=True,
+                        adaln_cache=True, cuda_graphs=True, prompt_buckets="128,256,384,512", attention="cudnn",
+                        merge_lora=True, tile_overlap=32, vae_tile_devices="cuda:0", vae_compile=True, window=2)
+    usp2_vae_on_0 = load_profile(ROOT / "configs" / "usp2_fp8.yaml", {"vae": {"device": "cuda:0", "tile_devices": []}})
+    with pytest.raises(ValueError, match="the VAE on the last .*puts them on cuda:0 and cuda:0"):
+        profile_options(usp2_vae_on_0)
+    run = subprocess.run([sys.executable, "-m", "services.bench", "--profile", "configs/tiny_cpu.yaml",
+                          "--requests", "1", "--prompt-tokens", "40", "--no-vae"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("canvas 320x192, 1 requests, fp8=False")  # the profile's default canvas
+    clash = subprocess.run([sys.executable, "-m", "services.bench", "--profile", "configs/tiny_cpu.yaml", "--fp8"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert clash.returncode == 2 and "--profile sets --fp8 itself" in clash.stderr
+
