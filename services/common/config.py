@@ -15,6 +15,8 @@ import yaml
 PRESETS = ("tiny", "full")
 DTYPES = ("float32", "bfloat16")
 SDPA_KERNELS = ("default", "cudnn")
+PROMPT_BUCKETS = (128, 256, 384, 512)
+"""Default prompt lengths (tokens) the CUDA graphs are captured for."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class EncoderConfig:
     cuda_graphs: bool = False
     """Capture the text stack as CUDA graphs at start-up, one per `prompt_buckets` size (CUDA device only); a
     prompt is padded at the end to its bucket, which a causal stack ignores."""
-    prompt_buckets: tuple[int, ...] = (128, 256, 384, 512)
+    prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS
     """Prompt lengths (tokens) the graphs are captured for, increasing; the largest must hold max_tokens."""
 
     def __post_init__(self):
@@ -117,7 +119,7 @@ class DiTConfig:
     cuda_graphs: bool = False
     """Capture the audio teacher's steps as CUDA graphs at start-up (CUDA devices only); prompts are then padded
     to `prompt_buckets` with the padding masked out, so no capture happens while serving."""
-    prompt_buckets: tuple[int, ...] = (128, 256, 384, 512)
+    prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS
     """Prompt lengths (tokens) the graphs are captured for, increasing; the largest must hold encoder.max_tokens.
     Each bucket costs 27 teacher graphs (9 steps x 3 audio shapes) and about 6 s of start-up."""
     cuda_ipc: bool = True

@@ -25,9 +25,10 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from services.common.config import PROMPT_BUCKETS
+
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (128, 256, 384, 512)
 Signature = tuple[tuple[tuple[int, ...], str], ...]
 
 
@@ -39,7 +40,7 @@ class GraphError(ValueError):
 class PromptBuckets:
     """Prompt lengths are padded up to the smallest bucket that holds them."""
 
-    sizes: tuple[int, ...] = DEFAULT_BUCKETS
+    sizes: tuple[int, ...] = PROMPT_BUCKETS
 
     def __post_init__(self) -> None:
         s = self.sizes
@@ -134,9 +135,6 @@ class CudaGraphBank:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self) -> list[GraphKey]:
-        return list(self._entries)
-
     def capture(self, key: GraphKey, fn: Callable[..., object], example_inputs: Sequence[torch.Tensor]) -> object:
         """Capture `fn(*inputs)` under `key` (start-up only); returns the outputs of the capture run.
 
@@ -195,10 +193,3 @@ class CudaGraphBank:
         entry.graph.replay()
         self.stats.replays += 1
         return entry.static_outputs
-
-    def static_inputs(self, key: GraphKey) -> list[torch.Tensor]:
-        """The static input buffers of `key` (write into them directly to skip the copy in `run`)."""
-        entry = self._entries.get(key)
-        if entry is None:
-            raise GraphError(f"no graph for {key.phase} {key.tag}")
-        return entry.static_inputs

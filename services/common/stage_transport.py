@@ -49,7 +49,6 @@ def send_tensor(tensor: torch.Tensor, producer: IpcProducer | None, peer: str) -
     return tensor_to_parts(tensor)
 
 
-
 def sender(leases: SessionLeases | None, peer: str) -> Callable[[torch.Tensor], list[pb.TensorPart]]:
     """How one session sends a tensor to `peer`: through its CUDA IPC leases, or as host bytes."""
     return leases.send if leases is not None else partial(send_tensor, producer=None, peer=peer)

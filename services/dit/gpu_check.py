@@ -2,7 +2,8 @@
 
 Runs on one CUDA machine (H200 expected, < ~3 min): FP8 vs BF16 error on the tiny model and on real-size linears,
 FP8 vs BF16 GEMM speed at the real shapes, and 1,000 IPC chunks between two processes with flat
-`torch.cuda.memory_allocated`. Prints a summary table last and exits non-zero when a correctness check fails. Knows nothing about services, sessions or checkpoints.
+`torch.cuda.memory_allocated`. Prints a summary table last and exits non-zero when a correctness check fails.
+Knows nothing about services, sessions or checkpoints.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
@@ -229,8 +229,7 @@ class VideoDecoder:
     def _decode_share(self, net: AutoencoderKLMiniMaxH3, tiles: torch.Tensor) -> torch.Tensor:
         """Decode `tiles` on `net`'s device in groups of `max_batch` (runs in a worker thread for a replica)."""
         device = next(net.parameters()).device
-        place = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-        with place, torch.inference_mode():  # a worker thread does not inherit the caller's inference mode
+        with on_device(device), torch.inference_mode():  # a worker thread does not inherit the caller's inference mode
             parts = [net.decoder(net.post_quant_conv(part)) for part in tiles.to(device).split(self.max_batch)]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -248,6 +247,11 @@ class VideoDecoder:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode normalised latents `[F, 24, h, w]` to uint8 frames `[N, H, W, 3]` on the CPU."""
         return to_uint8(self.decode_pixels(latents))
+
+
+def on_device(device: torch.device) -> ContextManager:
+    """Make `device` the current CUDA device (a worker thread starts on cuda:0); nothing for a CPU device."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def to_uint8(rgb: torch.Tensor) -> torch.Tensor:

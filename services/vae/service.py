@@ -10,7 +10,6 @@ import pathlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.gateway.config import GatewayConfig
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder, warm_up_video
-from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder
+from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, on_device
 from services.vae.mux import FragmentedMP4Muxer
 
 log = logging.getLogger(__name__)
@@ -90,9 +89,8 @@ class DecodeSession:
 
     def _decode_audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, float]:
         """(samples, seconds) of the audio decode, on the audio decoder's device (runs in the worker thread)."""
-        device = self.audio.decoder.device
         started = time.perf_counter()
-        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        with on_device(self.audio.decoder.device):
             samples = self.audio.decode(latents)
         return samples, time.perf_counter() - started
 
