@@ -4,7 +4,8 @@ The calling process (the DiT service) becomes rank 0; ranks 1..N-1 are spawned w
 Rank r runs on `profile.dit.devices[r]`: a CUDA rank sees only its own GPU (`CUDA_VISIBLE_DEVICES`, mapped through
 the parent's own list when it has one) and uses NCCL; CPU ranks use gloo. Every rank builds its runtime with the
 same `builder(profile, device)` (a module-level function, so it pickles), installs Ulysses, checks that the
-weights match on every rank, and the workers enter `worker_loop()`. NVLink multicast stays off in every rank.
+weights match on every rank, captures the audio teacher's graphs if the profile has them (`join_ulysses`), and the
+workers enter `worker_loop()`. NVLink multicast stays off in every rank.
 Knows nothing about sessions, gRPC or the model's internals.
 """
 
@@ -21,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from services.common.config import Profile
+from services.common.cuda_graphs import PromptBuckets
 from services.dit.group import DiTGroup, GroupFailed, RankGroup, worker_loop
 from services.dit.runtime import DiTRuntime
 from services.dit.sp import install_ulysses
@@ -112,6 +114,22 @@ def _child_env(env: dict):
                 os.environ[k] = v
 
 
+def join_ulysses(runtime: DiTRuntime, comm: RankGroup, profile: Profile, rank: int, world_size: int) -> None:
+    """Shard the runtime's DiT over the joined group and check the replicas; then place the audio teacher.
+
+    With `dit.cuda_graphs` the teacher's steps run sharded like every other forward, captured here as CUDA graphs
+    with their all-to-alls inside (every rank captures the same keys in the same order, so the collectives pair
+    up). Without graphs its short documents (~700 rows) run unsharded on each rank: eagerly they are bound by the
+    host's dispatch, and splitting them would only add collectives.
+    """
+    handle = install_ulysses(runtime.model, None, rank, world_size)
+    comm.verify_replicas(runtime.model)
+    if profile.dit.cuda_graphs:
+        runtime.teacher.capture_graphs(PromptBuckets(profile.dit.prompt_buckets))
+    else:
+        runtime.teacher.placement = handle.local
+
+
 def _worker_main(spec: RankSpec, profile: Profile, builder: Builder) -> None:
     """Entry of a spawned rank: environment, runtime, group, Ulysses, then `worker_loop()` until Shutdown."""
     os.environ.update(spec.env)
@@ -122,8 +140,7 @@ def _worker_main(spec: RankSpec, profile: Profile, builder: Builder) -> None:
     runtime = builder(profile, device)
     comm = RankGroup.init(spec.rank, spec.world_size, device, spec.init_method, spec.timeout_s)
     try:
-        runtime.teacher.placement = install_ulysses(runtime.model, None, spec.rank, spec.world_size).local
-        comm.verify_replicas(runtime.model)
+        join_ulysses(runtime, comm, profile, spec.rank, spec.world_size)
         worker_loop(comm, runtime)
     finally:
         comm.destroy()
@@ -167,8 +184,7 @@ def launch_group(profile: Profile, builder: Builder, options: GroupOptions | Non
         runtime = builder(profile, device)
         _check_alive(processes)  # a worker that failed to build is gone by now: do not wait out the init timeout
         comm = RankGroup.init(0, n, device, init_method, options.timeout_s)
-        runtime.teacher.placement = install_ulysses(runtime.model, None, 0, n).local
-        comm.verify_replicas(runtime.model)
+        join_ulysses(runtime, comm, profile, 0, n)
         _check_alive(processes)
     except BaseException:
         for proc in processes:

@@ -24,7 +24,6 @@ from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_sdpa_kernels
 from services.dit.runtime import DiTRuntime
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
-from services.dit.teacher import request_audio_shapes
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +72,8 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     runtime = DiTRuntime(model, RuntimeConfig(
         canvases=cfg.canvas_short_edges, max_text_tokens=profile.encoder.max_tokens,
         ulysses_degree=cfg.usp_degree, audio_reset_requests=cfg.audio_reset_requests), adapter)
-    if cfg.cuda_graphs:  # before the Ulysses group is installed: the teacher runs unsharded on every rank anyway
-        runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets), request_audio_shapes())
+    if cfg.cuda_graphs and cfg.usp_degree == 1:  # a Ulysses group captures them sharded once it has formed
+        runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets))
     return runtime
 
 
