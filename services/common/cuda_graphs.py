@@ -166,6 +166,20 @@ class CudaGraphBank:
         self.stats.captured += 1
         return entry.static_outputs
 
+    def close(self) -> None:
+        """Free every graph and its static buffers (the bank is empty and sealed afterwards).
+
+        Graphs that captured NCCL collectives hold their communicator: free them before leaving the process group,
+        or destroying it waits on them.
+        """
+        if self.enabled:
+            torch.cuda.synchronize(self.device)
+        for entry in self._entries.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+        self._entries.clear()
+        self.sealed = True
+
     def seal(self) -> None:
         """End of start-up: later unknown keys run eagerly instead of capturing."""
         self.sealed = True

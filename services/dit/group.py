@@ -544,4 +544,5 @@ class DiTGroup:
                 proc.join(1.0)
         for thread in self._threads:
             thread.join(1.0)
+        self.runtime.teacher.release_graphs()
         self.comm.destroy()

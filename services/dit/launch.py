@@ -143,6 +143,7 @@ def _worker_main(spec: RankSpec, profile: Profile, builder: Builder) -> None:
         join_ulysses(runtime, comm, profile, spec.rank, spec.world_size)
         worker_loop(comm, runtime)
     finally:
+        runtime.teacher.release_graphs()
         comm.destroy()
 
 
@@ -179,6 +180,7 @@ def launch_group(profile: Profile, builder: Builder, options: GroupOptions | Non
             proc.start()
         processes.append(proc)
     log.info("spawned DiT ranks 1..%d (pids %s) at %s", n - 1, [p.pid for p in processes], init_method)
+    runtime = None
     try:
         device = torch.device(devices[0])
         runtime = builder(profile, device)
@@ -190,6 +192,8 @@ def launch_group(profile: Profile, builder: Builder, options: GroupOptions | Non
         for proc in processes:
             proc.kill()
             proc.join(1.0)
+        if runtime is not None:
+            runtime.teacher.release_graphs()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise

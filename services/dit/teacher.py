@@ -109,6 +109,13 @@ class AudioTeacher:
         log.info("teacher: %d step graphs captured in %.1f s (buckets %s, audio shapes %s)", len(bank),
                  time.perf_counter() - started, list(buckets.sizes), list(audio_shapes))
 
+    def release_graphs(self) -> None:
+        """Free the captured steps (before the process group is destroyed: sharded graphs hold its communicator);
+        later requests run eagerly."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = self.buckets = None
+
     def run(self, text: torch.Tensor, request: RequestPlan, timeline: Timeline, noise: torch.Tensor,
             tail: torch.Tensor | None, cancel: CancelToken) -> list[torch.Tensor]:
         """Return the teacher states 3, 6, 9 as float32 `[2, A, 32]` for the whole request."""

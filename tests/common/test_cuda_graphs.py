@@ -67,6 +67,11 @@ def test_cpu_bank_capture_run_seal_and_misses():
         bank.capture(late, fn, [a, b])
     assert torch.equal(bank.run(late, fn, [a, b]), a * 2 + b)  # eager, counted
     assert bank.stats.misses == 1 and bank.stats.missed_keys == [late] and bank.stats.captured == 1
+    bank.close()  # everything freed: the captured key now runs eagerly (a miss), and nothing can be captured
+    assert len(bank) == 0 and key not in bank
+    assert torch.equal(bank.run(key, fn, [b, a]), b * 2 + a) and bank.stats.misses == 2
+    with pytest.raises(GraphError, match="after seal"):
+        bank.capture(key, fn, [a, b])
     with pytest.raises(GraphError, match="warmup"):
         CudaGraphBank("cpu", warmup=0)
 
@@ -91,3 +96,8 @@ def test_replay_equals_eager_bitwise_and_outputs_are_static():
         assert torch.equal(got, fn(x))
     assert bank.run(key, fn, [x]) is got  # the graph's output buffer, overwritten by every replay
     assert bank.stats.replays == 4 and bank.stats.misses == 0
+    before = torch.cuda.memory_reserved()
+    bank.close()
+    del got
+    torch.cuda.empty_cache()
+    assert len(bank) == 0 and torch.cuda.memory_reserved() < before  # the pool's memory came back

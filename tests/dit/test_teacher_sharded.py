@@ -3,6 +3,9 @@ its share of the rows with the all-to-alls, and the states equal one rank's teac
 graphs (collectives inside) replay bitwise like the same sharded steps run eagerly."""
 
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -83,6 +86,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         stats = graphed.graphs.stats
         torch.save({"graphed": got, "eager": ref, "misses": stats.misses, "replays": stats.replays},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        graphed.release_graphs()  # before leaving the group: the graphs hold its communicator
     finally:
         dist.destroy_process_group()
 
@@ -105,3 +109,74 @@ def test_sharded_teacher_graphs_replay_like_eager_on_two_gpus(tmp_path):
             torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
     for a, b in zip(ranks[0]["graphed"], ranks[1]["graphed"]):  # both ranks hold the same states
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _graphed_group(timeout_s: float):
+    from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
+    from services.dit.group import DiTGroup
+    from services.dit.launch import GroupOptions
+    from tests.dit.test_usp import TEXT_TOKENS, build_tiny
+
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    profile = Profile(name="usp2-graphs-test", model=ModelConfig(preset="tiny", dir="/nonexistent"),
+                      encoder=EncoderConfig(max_tokens=TEXT_TOKENS),
+                      dit=DiTConfig(devices=("cuda:0", "cuda:1"), dtype="bfloat16", canvas_short_edges=(64,),
+                                    cuda_graphs=True, prompt_buckets=(8, TEXT_TOKENS)))
+    return DiTGroup.start(profile, build_tiny, GroupOptions(timeout_s=timeout_s, heartbeat_s=2))
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_graphed_group_serves_and_shuts_down_cleanly():
+    from services.dit.api import PromptUpdate, SessionConfig
+
+    group = _graphed_group(timeout_s=30)
+    try:
+        session = group.open_session(SessionConfig(seed=1, width=64, height=64),
+                                     PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+        for _ in range(5):  # request 0 and the first phase of request 1: two teacher runs
+            session.next_phase()
+        session.close()
+        stats = group.runtime.teacher.graphs.stats
+        assert stats.misses == 0 and stats.replays == 2 * STEPS
+    finally:
+        started = time.monotonic()
+        group.shutdown(timeout_s=20)
+    assert time.monotonic() - started < 20, "leaving the group waited on the captured collectives"
+    assert [p.exitcode for p in group.processes] == [0], "the worker rank did not exit by itself"
+    assert not dist.is_initialized()
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_graphed_group_fails_cleanly_when_a_rank_dies_mid_phase():
+    from services.dit.api import PromptUpdate, SessionConfig
+    from services.dit.group import GroupFailed
+
+    group = _graphed_group(timeout_s=15)
+    try:
+        session = group.open_session(SessionConfig(seed=1, width=64, height=64),
+                                     PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+        session.next_phase()
+        raised: list[BaseException] = []
+
+        def drive():
+            try:
+                while True:
+                    session.next_phase()
+            except BaseException as exc:  # the thread reports whatever ended it
+                raised.append(exc)
+
+        thread = threading.Thread(target=drive, daemon=True)
+        thread.start()
+        time.sleep(0.3)
+        os.kill(group.processes[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(40)
+        assert not thread.is_alive(), "rank 0 hung after rank 1 died"
+        assert len(raised) == 1 and isinstance(raised[0], GroupFailed), raised
+        assert group.failed
+        session.cancel()
+    finally:
+        group.shutdown(timeout_s=5)
+    assert time.monotonic() - killed < 60
