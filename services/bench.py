@@ -40,6 +40,7 @@ from services.dit.geometry import TEACHER_TAIL_LATENTS, plan_request
 from services.dit.group import DiTGroup
 from services.dit.lora import ADAPTER_NAME
 from services.dit.model import PRESETS, DiT, FullAttention, ModelArgs
+from services.dit.probe import phase_inputs, time_forward
 from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
 from services.dit.teacher import STEPS as TEACHER_STEPS
@@ -378,39 +379,16 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
 
 
 def baseline(opts, device, model: DiT) -> dict:
-    """One 10-latent phase forward without history: diffusers' model vs ours (same rows, random weights)."""
+    """One 10-latent phase forward without history (`services.dit.probe`): diffusers' model vs ours on one GPU."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     from services.dit.checkpoint import config_for
-    from services.dit.layout import pack_layout
 
-    a = model.args
-    tt, ta, tv = 400, 57, 10 * (opts.height // 32) * (opts.width // 32)
-    gen = torch.Generator(device=device).manual_seed(3)
-    pos = lambda n: torch.rand(n, 3, device=device, generator=gen) * 100  # noqa: E731
-    vt, at = model_t(VIDEO_SIGMAS[1]), model_t(AUDIO_SIGMAS[1])  # a student step's timesteps (AdaLN-cached)
-    layout = pack_layout(text_len=tt, audio_len_per_channel=ta, video_rows=tv, positions_text=pos(tt),
-                         positions_audio=pos(2 * ta), positions_video=pos(tv), video_t=vt, audio_t=at).to(device)
-    video = torch.randn(tv, a.video_row_dim, device=device, generator=gen)
-    audio = torch.randn(2 * ta, a.audio_channels, device=device, generator=gen)
-    text = torch.randn(tt, a.text_dim, device=device, generator=gen, dtype=torch.bfloat16)
-
-    def timed(fn, runs=5):
-        fn()
-        sync(device)
-        times = []
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            sync(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
+    inputs = phase_inputs(model, opts.height, opts.width)
+    video, audio, text, layout = inputs
+    ours = time_forward(model, inputs)
     with torch.inference_mode():
-        ours = timed(lambda: model(video, audio, text, layout, FullAttention(layout)))
-        cfg = {k: v for k, v in config_for(a, "diffusers").items() if not k.startswith("_")}
+        cfg = {k: v for k, v in config_for(model.args, "diffusers").items() if not k.startswith("_")}
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)  # build straight on the device in BF16 (66 GB; fp32 would not fit)
         try:
@@ -422,17 +400,25 @@ def baseline(opts, device, model: DiT) -> dict:
         real = layout.num_real
         idx = torch.arange(real, device=device)
         tags = layout.tags[:real]
-        ts = torch.tensor([vt, at], device=device)
+        ts = torch.tensor([model_t(VIDEO_SIGMAS[1]), model_t(AUDIO_SIGMAS[1])], device=device)
         slot = (tags == 2).long()
         run_ref = functools.partial(
             ref, hidden_states=video[None].bfloat16(), audio_hidden_states=audio[None].bfloat16(),
             encoder_hidden_states=text[None], timestep=ts, timestep_indices=slot, token_tags=tags.clamp(min=0),
             position_ids=layout.positions[:real], video_indices=idx[tags == 0], audio_indices=idx[tags == 2],
             text_indices=idx[tags == 1])
-        theirs = timed(run_ref)  # same SDPA kernels as ours (dit.attention; torch 2.11 on an H200 picks cuDNN anyway)
+        run_ref()
+        times = []
+        for _ in range(5):  # same SDPA kernels as ours (dit.attention; torch 2.11 on an H200 picks cuDNN anyway)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run_ref()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
         del ref, run_ref
     torch.cuda.empty_cache()
-    return {"rows": real, "ours_s": ours, "diffusers_s": theirs}
+    return {"rows": real, "ours_s": ours, "diffusers_s": statistics.median(times)}
 
 
 PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
@@ -518,7 +504,10 @@ def main() -> None:
     finally:
         vae.stop()
     del encoder
+    group_forward_s = None
     if isinstance(runtime, DiTGroup):
+        if opts.baseline:  # the profile's own forward of the baseline's phase: every rank of the group
+            group_forward_s = runtime.probe_forward(opts.height, opts.width)
         runtime.shutdown()
     gpus = profile.dit.usp_degree
     del runtime
@@ -534,6 +523,9 @@ def main() -> None:
         print(f"phase forward, {base['rows']} rows, no history, one GPU: ours {base['ours_s'] * 1e3:.0f} ms, "
               f"diffusers MiniMaxH3Transformer3DModel {base['diffusers_s'] * 1e3:.0f} ms "
               f"(x{base['diffusers_s'] / base['ours_s']:.2f})", flush=True)
+        if group_forward_s is not None:
+            print(f"the same phase forward by the {gpus}-GPU group: {group_forward_s * 1e3:.0f} ms "
+                  f"(x{base['diffusers_s'] / group_forward_s:.2f} against diffusers on one GPU)", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,18 @@ class Shutdown:
     """Leave `worker_loop` and exit."""
 
 
+@dataclass(frozen=True)
+class ProbeForward:
+    """Every rank times the same synthetic phase forward (`services.dit.probe`); only between sessions."""
+
+    height: int
+    width: int
+    latents: int
+    runs: int
+
+
 ControlRecord = (OpenSession | SubmitPrompt | NextPhase | CancelSession | CloseSession | QueryStatus | Heartbeat
-                 | Shutdown)
+                 | Shutdown | ProbeForward)
 
 
 @dataclass(frozen=True)

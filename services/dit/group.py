@@ -26,11 +26,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from services.common.errors import StageFailed
+from services.common.errors import NoCapacity, StageFailed
 from services.dit.api import (HoldConfig, PhaseOutput, PromptUpdate, RuntimeConfig, SessionCancelled, SessionClosed,
                               SessionConfig)
 from services.dit.control import (CancelSession, CloseSession, ControlRecord, Heartbeat, NextPhase, OpenSession,
-                                  PromptSpec, QueryStatus, RankStatus, Shutdown, SubmitPrompt, rank_status)
+                                  ProbeForward, PromptSpec, QueryStatus, RankStatus, Shutdown, SubmitPrompt,
+                                  rank_status)
+from services.dit.probe import phase_inputs, time_forward
 from services.dit.runtime import DiTRuntime, StreamingSession
 from services.dit.session import CancelToken
 
@@ -215,6 +217,9 @@ def worker_loop(group: RankGroup, runtime: DiTRuntime) -> None:
             return
         if isinstance(record, QueryStatus):
             group.gather_status(rank_status(group.rank, session))
+        elif isinstance(record, ProbeForward):
+            model = runtime.model
+            time_forward(model, phase_inputs(model, record.height, record.width, record.latents), record.runs)
         elif isinstance(record, OpenSession):
             prompt = PromptUpdate(group.broadcast_prompt(record.prompt, None), record.prompt.event_id)
             fallback = None
@@ -468,6 +473,18 @@ class DiTGroup:
             s = self._session
             return self.comm.gather_status(rank_status(0, None if s is None or s.closed else s.local))
 
+    def probe_forward(self, height: int, width: int, latents: int = 10, runs: int = 5) -> float:
+        """Median seconds of one synthetic phase forward run by the whole group (`services.dit.probe`)."""
+        with self.comm.lock:
+            if self.comm.failure is not None:
+                raise GroupFailed(f"the DiT group is down: {self.comm.failure}")
+            if self._session is not None and not self._session.closed:
+                raise NoCapacity("a session is open: probe the group's forward between sessions")
+            model = self.runtime.model
+            inputs = phase_inputs(model, height, width, latents)  # validates the canvas before any rank moves
+            self.comm.send_control(ProbeForward(height, width, latents, runs))
+            return self.run_step(lambda: time_forward(model, inputs, runs))
+
     def run_step(self, step: Callable[[], PhaseOutput]) -> PhaseOutput:
         """Run one announced step on rank 0, timed by the watchdog; any error but a cancel fails the group."""
         self._step_started = time.monotonic()
@@ -535,6 +552,11 @@ class DiTGroup:
                     self.comm.send_control(Shutdown())
         except GroupFailed:
             log.warning("DiT group failed during shutdown: %s", self.comm.failure)
+        for thread in self._threads:
+            thread.join(1.0)
+        # leave the group beside the workers, not after them: NCCL may wait for every rank while tearing down
+        self.runtime.teacher.release_graphs()
+        self.comm.destroy()
         deadline = time.monotonic() + timeout_s
         for proc in self.processes:
             proc.join(max(deadline - time.monotonic(), 0.0))
@@ -542,7 +564,3 @@ class DiTGroup:
                 log.warning("rank process %d did not exit; killing it", proc.pid)
                 proc.kill()
                 proc.join(1.0)
-        for thread in self._threads:
-            thread.join(1.0)
-        self.runtime.teacher.release_graphs()
-        self.comm.destroy()

@@ -145,6 +145,7 @@ def _worker_main(spec: RankSpec, profile: Profile, builder: Builder) -> None:
     finally:
         runtime.teacher.release_graphs()
         comm.destroy()
+        log.info("rank %d left the group", spec.rank)
 
 
 def _check_alive(processes: list) -> None:

@@ -202,6 +202,32 @@ def test_usp2_streaming_session_matches_one_rank():
 
 
 @pytest.mark.cpu
+def test_group_probe_forward_runs_on_every_rank_between_sessions():
+    from services.common.errors import NoCapacity
+    from services.dit.probe import phase_inputs, time_forward
+
+    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
+    try:
+        seconds = group.probe_forward(64, 96, latents=2, runs=2)
+        assert 0 < seconds < 30
+        with pytest.raises(ValueError, match="canvas 90x64"):  # refused on rank 0 before any rank moves
+            group.probe_forward(64, 90)
+        session = group.open_session(session_config(), PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+        with pytest.raises(NoCapacity, match="a session is open"):
+            group.probe_forward(64, 96, latents=2, runs=1)
+        session.next_phase()  # the ranks are still in step
+        session.close()
+        assert group.probe_forward(64, 96, latents=1, runs=1) > 0
+    finally:
+        group.shutdown()
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    video, audio, text, layout = phase_inputs(model, 64, 96, latents=2)
+    assert video.shape[0] == 2 * 2 * 3 and layout.seq_len % 64 == 0  # 2 latents of (64/32) x (96/32) rows
+    with pytest.raises(ValueError, match="runs=0"):
+        time_forward(model, (video, audio, text, layout), runs=0)
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("busy", [True, False], ids=["mid-phase", "idle"])
 def test_killed_rank_fails_the_group_within_bounded_time(busy):
     failures: list[str] = []

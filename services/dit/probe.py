@@ -1,0 +1,71 @@
+"""A timed DiT forward of one synthetic phase: the bench's comparison with diffusers, on one GPU or a whole group.
+
+`phase_inputs` builds the same seeded document on every rank and device (text, audio and the video rows of
+`latents` latents at a canvas, a student step's timesteps, no history); `time_forward` runs it through
+`FullAttention` and returns the median time of a few runs after one warm-up (CUDA events on a GPU). Under Ulysses
+every rank calls it with the same inputs (the group sends a `ProbeForward` record), so rank 0's time is the
+group's. Knows nothing about sessions, the KV cache or diffusers.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from services.dit.layout import PackedLayout, pack_layout
+from services.dit.model import DiT, FullAttention
+from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
+
+TEXT_ROWS = 400
+AUDIO_LATENTS = 57
+"""Audio latents per channel of a 10-latent phase."""
+SEED = 3
+
+
+def phase_inputs(model: DiT, height: int, width: int, latents: int = 10
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PackedLayout]:
+    """(video [Tv, 96], audio [2 * 57, 32], text [400, text_dim], layout) of one phase without history."""
+    if height % 32 or width % 32 or height <= 0 or width <= 0:
+        raise ValueError(f"canvas {width}x{height}: both sides must be positive multiples of 32")
+    a = model.args
+    dev = model.condition_proj.weight.device
+    tv = latents * (height // 32) * (width // 32)
+    gen = torch.Generator().manual_seed(SEED)  # on the CPU: the same draws on every device
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=gen)
+
+    layout = pack_layout(text_len=TEXT_ROWS, audio_len_per_channel=AUDIO_LATENTS, video_rows=tv,
+                         positions_text=rand(TEXT_ROWS, 3) * 100, positions_audio=rand(2 * AUDIO_LATENTS, 3) * 100,
+                         positions_video=rand(tv, 3) * 100, video_t=model_t(VIDEO_SIGMAS[1]),
+                         audio_t=model_t(AUDIO_SIGMAS[1])).to(dev)
+    video = torch.randn(tv, a.video_row_dim, generator=gen).to(dev)
+    audio = torch.randn(2 * AUDIO_LATENTS, a.audio_channels, generator=gen).to(dev)
+    text = torch.randn(TEXT_ROWS, a.text_dim, generator=gen).to(dev, model.dtype)
+    return video, audio, text, layout
+
+
+def time_forward(model: DiT, inputs: tuple, runs: int = 5) -> float:
+    """Median seconds of `runs` forwards of `inputs` (from `phase_inputs`) after one warm-up."""
+    if runs < 1:
+        raise ValueError(f"runs={runs}: time at least one forward")
+    video, audio, text, layout = inputs
+    dev = video.device
+    times = []
+    with torch.no_grad():
+        for i in range(runs + 1):
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                model(video, audio, text, layout, FullAttention(layout))
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                started = time.perf_counter()
+                model(video, audio, text, layout, FullAttention(layout))
+                seconds = time.perf_counter() - started
+            if i:  # the first run warms up
+                times.append(seconds)
+    return statistics.median(times)
