@@ -516,7 +516,8 @@ def main() -> None:
     base = None
     if opts.baseline:  # one GPU, a fresh DiT built like the profile's (FP8, AdaLN cache, LoRA)
         torch.cuda.empty_cache()
-        single = dataclasses.replace(profile, dit=dataclasses.replace(profile.dit, devices=(str(device),)))
+        single = dataclasses.replace(profile, dit=dataclasses.replace(profile.dit, devices=(str(device),),
+                                                                      cuda_graphs=False))  # no teacher here
         with torch.inference_mode():
             base = baseline(opts, device, build_runtime(single, device).model)
     if base is not None:
