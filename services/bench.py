@@ -155,6 +155,7 @@ def build(opts):
         dit=DiTConfig(devices=devices, dtype="bfloat16" if cuda else "float32",
                       canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache,
                       merge_lora=opts.merge_lora, attention=opts.attention, cuda_graphs=opts.cuda_graphs,
+                      teacher_sharded=opts.teacher_sharded,
                       prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))))
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
         else DiTGroup.start(profile, build_runtime)
@@ -337,7 +338,7 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
 def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
              f"adaln_cache={opts.adaln_cache}, merge_lora={opts.merge_lora}, cuda_graphs={opts.cuda_graphs}, "
-             f"attention={opts.attention}, "
+             f"teacher_sharded={opts.teacher_sharded}, attention={opts.attention}, "
              f"GPUs={gpus}; " + (
                  "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
                  f"VAE + mux in their own process on {opts.devices.split(',')[-1]} (tiles overlap >= "
@@ -422,8 +423,8 @@ def baseline(opts, device, model: DiT) -> dict:
 
 
 PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
-                   "prompt_buckets", "attention", "merge_lora", "tile_overlap", "vae_tile_devices", "vae_compile",
-                   "window")
+                   "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "tile_overlap", "vae_tile_devices",
+                   "vae_compile", "window")
 """The bench options `--profile` takes from a deployment profile."""
 
 
@@ -438,7 +439,8 @@ def profile_options(profile: Profile) -> dict:
     return dict(preset=profile.model.preset, devices=",".join(dit.devices), width=width, height=height,
                 max_tokens=profile.encoder.max_tokens, fp8=dit.fp8, adaln_cache=dit.adaln_cache,
                 cuda_graphs=dit.cuda_graphs, prompt_buckets=",".join(map(str, dit.prompt_buckets)),
-                attention=dit.attention, merge_lora=dit.merge_lora, tile_overlap=vae.tile_overlap_px,
+                attention=dit.attention, merge_lora=dit.merge_lora, teacher_sharded=dit.teacher_sharded,
+                tile_overlap=vae.tile_overlap_px,
                 vae_tile_devices=",".join(vae.tile_devices), vae_compile=vae.compile_blocks,
                 window=dit.max_phases_ahead)
 
@@ -467,6 +469,8 @@ def main() -> None:
                         help="SDPA kernel order of every DiT rank (dit.attention)")
     parser.add_argument("--merge-lora", action="store_true",
                         help="fold the LoRA into the base weights; the teacher subtracts it (dit.merge_lora)")
+    parser.add_argument("--teacher-sharded", action="store_true",
+                        help="graphed teacher steps sharded over the DiT group (dit.teacher_sharded)")
     parser.add_argument("--tile-overlap", type=int, default=VAEConfig().tile_overlap_px,
                         help="minimum overlap of the video decode tiles in px (vae.tile_overlap_px)")
     parser.add_argument("--vae-tile-devices", default="",

@@ -115,19 +115,19 @@ def _child_env(env: dict):
 
 
 def join_ulysses(runtime: DiTRuntime, comm: RankGroup, profile: Profile, rank: int, world_size: int) -> None:
-    """Shard the runtime's DiT over the joined group and check the replicas; then place the audio teacher.
+    """Shard the runtime's DiT over the joined group and check the replicas; then place the audio teacher and
+    capture its graphs (`dit.cuda_graphs`; every rank captures the same keys in the same order).
 
-    With `dit.cuda_graphs` the teacher's steps run sharded like every other forward, captured here as CUDA graphs
-    with their all-to-alls inside (every rank captures the same keys in the same order, so the collectives pair
-    up). Without graphs its short documents (~700 rows) run unsharded on each rank: eagerly they are bound by the
-    host's dispatch, and splitting them would only add collectives.
+    The teacher's short documents (~700 rows) run whole on every rank, without collectives, unless
+    `dit.teacher_sharded`: then its graphed steps run sharded like every other forward, the all-to-alls captured
+    inside the graphs (faster, but not abortable if a rank dies: see the option).
     """
     handle = install_ulysses(runtime.model, None, rank, world_size)
     comm.verify_replicas(runtime.model)
+    if not profile.dit.teacher_sharded:
+        runtime.teacher.placement = handle.local
     if profile.dit.cuda_graphs:
         runtime.teacher.capture_graphs(PromptBuckets(profile.dit.prompt_buckets))
-    else:
-        runtime.teacher.placement = handle.local
 
 
 def _worker_main(spec: RankSpec, profile: Profile, builder: Builder) -> None:

@@ -9,9 +9,9 @@ the teacher's clean latent.
 On CUDA the 9 forwards are small (~700-900 rows) and bound by the host's kernel dispatch, so `capture_graphs`
 records each step as a CUDA graph at start-up, per prompt-length bucket and audio shape. The prompt is then padded
 to its bucket and the padding rows are masked out as attention keys (`PackedLayout.text_valid`), so the real rows
-compute what the unpadded prompt gives. Under Ulysses the graphed steps run sharded over the ranks like any
-forward (the all-to-alls are captured with them); eager steps run unsharded on each rank (`placement`). Knows
-nothing about video, the KV cache or sessions.
+compute what the unpadded prompt gives. Under Ulysses the steps run whole on each rank (`placement`), or, with
+`dit.teacher_sharded`, graphed and sharded over the ranks like any forward (the all-to-alls captured with them).
+Knows nothing about video, the KV cache or sessions.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class AudioTeacher:
     def __init__(self, model: DiT, adapter: LoRAAdapter | None):
         self.model, self.adapter = model, adapter
         self.placement: Callable[[], ContextManager] = nullcontext
-        """Where the teacher's forwards run; sequence parallelism sets it (from outside) to run eager steps
-        unsharded."""
+        """Where the teacher's forwards (and captures) run; sequence parallelism sets it (from outside) to run them
+        whole on each rank."""
         self.graphs: CudaGraphBank | None = None
         """The captured steps (`capture_graphs`); None runs each step eagerly on the prompt's exact rows."""
         self.buckets: PromptBuckets | None = None
@@ -85,14 +85,14 @@ class AudioTeacher:
 
     def capture_graphs(self, buckets: PromptBuckets, audio_shapes: Sequence[tuple[int, int]] | None = None) -> None:
         """Record every step for every bucket and (tail, new) audio shape (default: every shape a session takes) as
-        a CUDA graph (CPU: an eager bank). Under Ulysses every rank must call this at the same point: the
-        captures run the all-to-alls."""
+        a CUDA graph (CPU: an eager bank), in `placement`. Sharded over a Ulysses group, every rank must call
+        this at the same point: the captures run the all-to-alls."""
         audio_shapes = request_audio_shapes() if audio_shapes is None else audio_shapes
         started = time.perf_counter()
         dev = self.model.condition_proj.weight.device
         bank = CudaGraphBank(dev)
         a = self.model.args
-        with self._suspended(), torch.no_grad():
+        with self._suspended(), self.placement(), torch.no_grad():
             for size in buckets.sizes:
                 text = torch.zeros(size, a.text_dim, device=dev, dtype=self.model.dtype)
                 valid = torch.ones(size, dtype=torch.bool, device=dev)

@@ -126,6 +126,10 @@ def test_teacher_graph_replay_equals_eager_bitwise_on_gpu():
 def test_graph_settings_are_validated():
     with pytest.raises(ValueError, match="graphs need CUDA"):
         DiTConfig(devices=("cpu",), cuda_graphs=True)
+    with pytest.raises(ValueError, match="teacher_sharded needs dit.cuda_graphs and 2 or 4 dit.devices"):
+        DiTConfig(devices=("cuda:0", "cuda:1"), teacher_sharded=True)
+    with pytest.raises(ValueError, match="teacher_sharded needs"):
+        DiTConfig(devices=("cuda:0",), cuda_graphs=True, teacher_sharded=True)
     with pytest.raises(ValueError, match="strictly increasing"):
         DiTConfig(prompt_buckets=(256, 128))
     with pytest.raises(ValueError, match="largest bucket must hold encoder.max_tokens=512"):
