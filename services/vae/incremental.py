@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, to_uint8
+from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, to_i420, to_uint8
 
 # Sample radius of one anti-aliased activation (2x up, Kaiser-sinc kernel 12, 2x down), at the block's rate.
 _ACTIVATION_RADIUS = 6
@@ -83,6 +83,13 @@ class IncrementalVideoDecoder:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode one phase `[F, 24, h, w]` to uint8 frames `[N, H, W, 3]`."""
         return to_uint8(self.decode_pixels(latents))
+
+    @torch.inference_mode()
+    def decode_for_mux(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one phase to uint8 frames in the muxer's fastest input from this device: I420 planes
+        `[N, H * 3 / 2, W]` converted on a GPU, RGB `[N, H, W, 3]` on a CPU (see `to_i420`)."""
+        pixels = self.decode_pixels(latents)
+        return to_i420(pixels) if pixels.is_cuda else to_uint8(pixels)
 
     @torch.inference_mode()
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:

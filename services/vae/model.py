@@ -259,6 +259,28 @@ def to_uint8(rgb: torch.Tensor) -> torch.Tensor:
     return (rgb * 255.0).round_().to(torch.uint8).cpu()
 
 
+# BT.601 limited range, as FFmpeg's swscale converts rgb24 to yuv420p for libx264 (rows: Y, Cb, Cr; R, G, B).
+_BT601 = ((0.299, 0.587, 0.114), (-0.168736, -0.331264, 0.5), (0.5, -0.418688, -0.081312))
+
+
+def to_i420(rgb: torch.Tensor) -> torch.Tensor:
+    """Float RGB `[N, H, W, 3]` in [0, 1] -> uint8 I420 planes `[N, H * 3 / 2, W]` on the CPU.
+
+    Y at full size, then Cb and Cr averaged over 2 x 2 pixels, each plane's bytes in order (the layout PyAV takes
+    for yuv420p). Converted where the pixels are: on a GPU this is a few small kernels, and the host then copies
+    half the bytes and skips swscale before libx264; on a CPU, swscale on uint8 RGB is the faster way.
+    """
+    n, h, w, _ = rgb.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"frames {w}x{h}: I420 needs an even width and height")
+    m = torch.tensor(_BT601, dtype=rgb.dtype, device=rgb.device)  # [3 (Y, Cb, Cr), 3 (R, G, B)]
+    luma = 16.0 + 219.0 * (rgb @ m[0])  # [N, H, W]
+    pooled = rgb.reshape(n, h // 2, 2, w // 2, 2, 3).mean(dim=(2, 4))  # [N, H/2, W/2, 3]
+    chroma = 128.0 + 224.0 * (pooled @ m[1:].T)  # [N, H/2, W/2, 2]
+    planes = torch.cat([luma.reshape(n, -1), chroma[..., 0].reshape(n, -1), chroma[..., 1].reshape(n, -1)], dim=1)
+    return planes.round_().clamp_(0, 255).to(torch.uint8).reshape(n, h * 3 // 2, w).cpu()
+
+
 class AudioDecoder:
     """Normalised stereo audio latents `[2, A, 32]` -> float32 waveform `[2, A * 800]` in [-1, 1]."""
 

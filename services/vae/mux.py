@@ -332,7 +332,8 @@ class FragmentedMP4Muxer:
 
     def encode(self, frames: np.ndarray, audio: np.ndarray) -> bytes:
         """Encode one chunk; returns (init segment on the first call +) exactly this chunk's fragment."""
-        # frames: [N, H, W, 3] uint8 RGB; audio: [2, S] float32 in [-1, 1]
+        # frames: [N, H, W, 3] uint8 RGB, or [N, H * 3/2, W] uint8 I420 planes (BT.601 limited range, as swscale
+        # would convert the RGB); audio: [2, S] float32 in [-1, 1]
         if self._closed:
             raise SequenceMismatch("encode() after close(): the muxer's session has ended")
         self._check_frames(frames)
@@ -368,10 +369,11 @@ class FragmentedMP4Muxer:
         if not isinstance(frames, np.ndarray):
             raise InvalidInput(f"frames must be a numpy array, got {type(frames).__name__}")
         if frames.dtype != np.uint8:
-            raise InvalidInput(f"frames dtype {frames.dtype}: expected uint8 RGB")
-        expected = (self.height, self.width, 3)
-        if frames.ndim != 4 or frames.shape[1:] != expected or frames.shape[0] < 1:
-            raise InvalidInput(f"frames shape {frames.shape}: expected [N>=1, {expected[0]}, {expected[1]}, 3]")
+            raise InvalidInput(f"frames dtype {frames.dtype}: expected uint8 RGB or I420")
+        rgb, i420 = (self.height, self.width, 3), (self.height * 3 // 2, self.width)
+        if frames.shape[1:] not in (rgb, i420) or frames.shape[0] < 1:
+            raise InvalidInput(f"frames shape {frames.shape}: expected RGB [N>=1, {rgb[0]}, {rgb[1]}, 3] or I420 "
+                               f"planes [N>=1, {i420[0]}, {i420[1]}]")
 
     def _check_audio(self, audio: np.ndarray) -> None:
         if not isinstance(audio, np.ndarray):
@@ -384,11 +386,14 @@ class FragmentedMP4Muxer:
             raise InvalidInput("audio contains NaN or infinite samples")
 
     def _encode_video(self, frames: np.ndarray) -> list[_Sample]:
-        # frames: [N, H, W, 3]
+        # frames: [N, H, W, 3] RGB or [N, H * 3/2, W] I420
         packets = []
         for i in range(frames.shape[0]):
-            rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[i]), format="rgb24")
-            frame = rgb.reformat(format="yuv420p")
+            if frames.ndim == 3:
+                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[i]), format="yuv420p")
+            else:
+                rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[i]), format="rgb24")
+                frame = rgb.reformat(format="yuv420p")
             frame.pts = self._frames_in + i
             frame.pict_type = av.video.frame.PictureType.I if i == 0 else av.video.frame.PictureType.NONE
             packets.extend(self._video.encode(frame))

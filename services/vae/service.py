@@ -76,7 +76,7 @@ class DecodeSession:
             audio = self._audio_worker.submit(self._decode_audio, audio_latents)
             t0 = time.perf_counter()
             try:
-                frames = self.video.decode(video_latents)  # [N, H, W, 3] uint8
+                frames = self.video.decode_for_mux(video_latents)  # uint8 I420 planes (GPU) or RGB (CPU)
             finally:
                 wait([audio])  # the audio decode never outlives the lock
             video_seconds = time.perf_counter() - t0

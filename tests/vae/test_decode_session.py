@@ -60,13 +60,13 @@ def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker)
 def test_audio_decodes_in_the_worker_while_the_video_decodes(decoders, worker, monkeypatch):
     stream = session(decoders, worker)
     seen = {}
-    for name, obj in (("video", stream.video), ("audio", stream.audio)):
-        def spy(x, real=obj.decode, name=name):
+    for name, obj, method in (("video", stream.video, "decode_for_mux"), ("audio", stream.audio, "decode")):
+        def spy(x, real=getattr(obj, method), name=name):
             started = time.perf_counter()
             out = real(x)
             seen[name] = (threading.current_thread().name, started, time.perf_counter())
             return out
-        monkeypatch.setattr(obj, "decode", spy)
+        monkeypatch.setattr(obj, method, spy)
     chunk = stream.phase(*latents(2)[0])
     assert seen["video"][0] == threading.current_thread().name
     assert seen["audio"][0].startswith("vae-audio")

@@ -139,6 +139,7 @@ def test_audio_remainder_carried_across_tiny_chunks():
     (np.zeros((3, H, W, 4), np.uint8), np.zeros((2, 10), np.float32), "frames shape"),
     (np.zeros((0, H, W, 3), np.uint8), np.zeros((2, 10), np.float32), "N>=1"),
     (np.zeros((H, W, 3), np.uint8), np.zeros((2, 10), np.float32), "frames shape"),
+    (np.zeros((3, H * 3 // 2 + 1, W), np.uint8), np.zeros((2, 10), np.float32), "I420 planes"),
     ([[0]], np.zeros((2, 10), np.float32), "numpy array"),
     (np.zeros((3, H, W, 3), np.uint8), np.zeros((1, 10), np.float32), "stereo"),
     (np.zeros((3, H, W, 3), np.uint8), np.zeros((2, 10), np.int16), "dtype int16"),
@@ -151,6 +152,36 @@ def test_bad_input_is_rejected_by_name(frames, audio, match):
     # the session is still usable and its first good chunk still carries the init segment
     good = muxer.encode(np.zeros((2, H, W, 3), np.uint8), np.zeros((2, 100), np.float32))
     assert _types(good)[:2] == ["ftyp", "moov"]
+
+
+def test_i420_frames_encode_like_the_rgb_they_come_from():
+    # What the VAE hands over from a GPU: planes converted by torch. They match swscale's own rgb24 -> yuv420p within
+    # rounding, so the stream decodes back to the same picture as from RGB.
+    import torch
+
+    from services.vae.model import to_i420
+
+    gen = torch.Generator().manual_seed(0)
+    smooth = torch.nn.functional.interpolate(torch.rand(4, 3, H // 8, W // 8, generator=gen), size=(H, W),
+                                             mode="bilinear").permute(0, 2, 3, 1)  # [4, H, W, 3] in [0, 1]
+    rgb = (smooth * 255).round().to(torch.uint8)
+    planes = to_i420(rgb.float() / 255).numpy()  # [4, H * 3/2, W]
+    assert planes.shape == (4, H * 3 // 2, W)
+    swscale = np.stack([av.VideoFrame.from_ndarray(f, format="rgb24").reformat(format="yuv420p").to_ndarray()
+                        for f in rgb.numpy()]).astype(int)
+    diff = np.abs(planes.astype(int) - swscale)
+    assert diff[:, :H].max() <= 1 and diff[:, H:].max() <= 2 and diff.mean() < 0.2
+    pictures = []
+    for frames in (rgb.numpy(), planes):
+        muxer = FragmentedMP4Muxer(W, H, fps=FPS, sample_rate=SR)
+        data = muxer.encode(frames, np.zeros((2, _samples_for(0, 4)), np.float32)) + muxer.close()
+        with av.open(io.BytesIO(data)) as container:
+            pictures.append(np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]))
+    assert pictures[1].shape == (4, H, W, 3)
+    err = [np.abs(p.astype(int) - rgb.numpy().astype(int)).mean() for p in pictures]  # lossy H.264 both ways
+    assert err[1] < 1.1 * err[0] + 0.5
+    with pytest.raises(ValueError, match="even width and height"):
+        to_i420(torch.zeros(1, 3, 4, 3))
 
 
 @pytest.mark.parametrize("kwargs, match", [

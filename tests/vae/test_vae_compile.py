@@ -57,3 +57,16 @@ def test_compiled_blocks_match_eager_and_compile_nothing_after_warm_up(tmp_path)
         assert got.shape == want.shape
         assert (got - want).abs().max().item() < 3e-2  # BF16 rounding of fused ops, RGB in [0, 1]
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled while "serving"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_video_for_the_muxer_is_i420_converted_on_the_gpu(tmp_path):
+    from services.vae.model import to_i420
+
+    gpu = VideoDecoder(load_video_vae(write_random_checkpoint("tiny", tmp_path, seed=11), "cuda"))
+    z = torch.randn(7, 24, 4, 6, generator=torch.Generator().manual_seed(1))
+    planes = IncrementalVideoDecoder(gpu).decode_for_mux(z)
+    assert planes.dtype == torch.uint8 and planes.device.type == "cpu" and planes.shape == (22, 96, 96)
+    pixels = IncrementalVideoDecoder(gpu).decode_pixels(z).cpu()
+    assert (planes.int() - to_i420(pixels).int()).abs().max() <= 1  # the same conversion, on either device

@@ -92,6 +92,12 @@ def test_video_uint8_and_reset(video):
     assert torch.equal(inc.decode(z), first)
 
 
+def test_video_for_the_muxer_is_rgb_on_the_cpu(video):
+    # on a GPU it is I420 planes converted there (tests/vae/test_vae_compile.py)
+    z = torch.randn(7, 24, 4, 6, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(IncrementalVideoDecoder(video).decode_for_mux(z), IncrementalVideoDecoder(video).decode(z))
+
+
 def test_video_phase_length_and_grid_errors(video):
     inc = IncrementalVideoDecoder(video)
     with pytest.raises(InvalidLatents, match="2 \\+ 5k"):
