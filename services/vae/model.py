@@ -255,8 +255,9 @@ def on_device(device: torch.device) -> ContextManager:
 
 
 def to_uint8(rgb: torch.Tensor) -> torch.Tensor:
-    """Quantise float RGB in [0, 1] to uint8 on the CPU."""
-    return (rgb * 255.0).round_().to(torch.uint8).cpu()
+    """Quantise float RGB in [0, 1] to uint8 on the CPU, each frame's pixels contiguous (the decoder's output is a
+    channels-outermost view; the muxer would otherwise gather every frame)."""
+    return (rgb * 255.0).round_().to(torch.uint8, memory_format=torch.contiguous_format).cpu()
 
 
 # BT.601 limited range, as FFmpeg's swscale converts rgb24 to yuv420p for libx264 (rows: Y, Cb, Cr; R, G, B).

@@ -87,7 +87,7 @@ def test_video_uint8_and_reset(video):
     z = torch.randn(7, 24, 4, 6, generator=torch.Generator().manual_seed(1))
     inc = IncrementalVideoDecoder(video)
     first = inc.decode(z)
-    assert first.dtype == torch.uint8 and first.shape == (22, 64, 96, 3)
+    assert first.dtype == torch.uint8 and first.shape == (22, 64, 96, 3) and first.is_contiguous()
     inc.reset()
     assert torch.equal(inc.decode(z), first)
 
