@@ -275,10 +275,11 @@ def to_i420(rgb: torch.Tensor) -> torch.Tensor:
     if h % 2 or w % 2:
         raise ValueError(f"frames {w}x{h}: I420 needs an even width and height")
     m = torch.tensor(_BT601, dtype=rgb.dtype, device=rgb.device)  # [3 (Y, Cb, Cr), 3 (R, G, B)]
-    luma = 16.0 + 219.0 * (rgb @ m[0])  # [N, H, W]
+    # weighted sums, not matmuls: no TF32 on a GPU, the same result on every device
+    luma = 16.0 + 219.0 * (rgb * m[0]).sum(dim=-1)  # [N, H, W]
     pooled = rgb.reshape(n, h // 2, 2, w // 2, 2, 3).mean(dim=(2, 4))  # [N, H/2, W/2, 3]
-    chroma = 128.0 + 224.0 * (pooled @ m[1:].T)  # [N, H/2, W/2, 2]
-    planes = torch.cat([luma.reshape(n, -1), chroma[..., 0].reshape(n, -1), chroma[..., 1].reshape(n, -1)], dim=1)
+    cb, cr = (128.0 + 224.0 * (pooled * row).sum(dim=-1) for row in m[1:])  # [N, H/2, W/2] each
+    planes = torch.cat([luma.reshape(n, -1), cb.reshape(n, -1), cr.reshape(n, -1)], dim=1)
     return planes.round_().clamp_(0, 255).to(torch.uint8).reshape(n, h * 3 // 2, w).cpu()
 
 
