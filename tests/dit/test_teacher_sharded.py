@@ -5,13 +5,11 @@ with the teacher whole on each rank, fails cleanly when a rank dies."""
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from services.common.cuda_graphs import CudaGraphBank
 from services.dit import sp
@@ -19,22 +17,9 @@ from services.dit.launch import free_port
 from services.dit.model import build_random
 from services.dit.teacher import STEPS, AudioTeacher
 from tests.dit.test_teacher_graphs import ARGS, BUCKETS, run
+from tests.dit.test_usp import phases_in_thread, run_ranks
 
 REQUESTS = ((0, 5), (1, 13), (2, 16))  # (request index, prompt length): no tail, then a tail; three buckets' worth
-
-
-def _run_ranks(fn, world: int, *args) -> None:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=fn, args=(r, world, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * world, f"rank exit codes {codes}"
 
 
 def _gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -58,7 +43,7 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_sharded_teacher_equals_one_rank(tmp_path):
     model = build_random(ARGS, "cpu", torch.float32, seed=0)
     ref = [run(AudioTeacher(model, None), k, n) for k, n in REQUESTS]
-    _run_ranks(_gloo_rank, 2, free_port("127.0.0.1"), str(tmp_path))
+    run_ranks(_gloo_rank, 2, free_port("127.0.0.1"), str(tmp_path), timeout_s=180)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         # capture (one run per key) and the 3 requests, each step: 2 all-to-alls per block
@@ -99,7 +84,7 @@ def test_sharded_teacher_graphs_replay_like_eager_on_two_gpus(tmp_path):
     model = build_random(ARGS, "cuda:0", torch.bfloat16, seed=0)
     one_gpu = [[s.cpu() for s in run(AudioTeacher(model, None), k, n, "cuda:0", torch.bfloat16)]
                for k, n in REQUESTS]
-    _run_ranks(_nccl_rank, 2, free_port("127.0.0.1"), str(tmp_path))
+    run_ranks(_nccl_rank, 2, free_port("127.0.0.1"), str(tmp_path), timeout_s=180)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     for got in ranks:
         assert got["misses"] == 0 and got["replays"] == STEPS * len(REQUESTS)
@@ -126,15 +111,19 @@ def _graphed_group(timeout_s: float, sharded: bool):
     return DiTGroup.start(profile, build_tiny, GroupOptions(timeout_s=timeout_s, heartbeat_s=2))
 
 
+def _open(group):
+    from services.dit.api import PromptUpdate, SessionConfig
+
+    return group.open_session(SessionConfig(seed=1, width=64, height=64),
+                              PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+
+
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_graphed_group_serves_and_shuts_down_cleanly():
-    from services.dit.api import PromptUpdate, SessionConfig
-
     group = _graphed_group(timeout_s=30, sharded=True)
     try:
-        session = group.open_session(SessionConfig(seed=1, width=64, height=64),
-                                     PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+        session = _open(group)
         for _ in range(5):  # request 0 and the first phase of request 1: two teacher runs
             session.next_phase()
         session.close()
@@ -153,24 +142,13 @@ def test_graphed_group_serves_and_shuts_down_cleanly():
 def test_graphed_group_fails_cleanly_when_a_rank_dies_mid_phase():
     # The teacher whole on each rank (the default): with `teacher_sharded` the graphs hold NCCL work that an abort
     # cannot stop (seen on 2xH200: "Future for ProcessGroup abort timed out", rank 0's stream stays blocked).
-    from services.dit.api import PromptUpdate, SessionConfig
     from services.dit.group import GroupFailed
 
     group = _graphed_group(timeout_s=15, sharded=False)
     try:
-        session = group.open_session(SessionConfig(seed=1, width=64, height=64),
-                                     PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+        session = _open(group)
         session.next_phase()
-        raised: list[BaseException] = []
-
-        def drive():
-            try:
-                while True:
-                    session.next_phase()
-            except BaseException as exc:  # the thread reports whatever ended it
-                raised.append(exc)
-
-        thread = threading.Thread(target=drive, daemon=True)
+        thread, raised = phases_in_thread(session)
         thread.start()
         time.sleep(0.3)
         os.kill(group.processes[0].pid, signal.SIGKILL)

@@ -89,13 +89,13 @@ def _forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args) -> None:
+def run_ranks(fn, world: int, *args, timeout_s: float = 90) -> None:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=fn, args=(r, world, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(90)
+        p.join(timeout_s)
     codes = [p.exitcode for p in procs]
     for p in procs:
         if p.is_alive():
@@ -227,6 +227,20 @@ def test_group_probe_forward_runs_on_every_rank_between_sessions():
         time_forward(model, (video, audio, text, layout), runs=0)
 
 
+def phases_in_thread(session) -> tuple[threading.Thread, list[BaseException]]:
+    """A daemon thread (not started) that runs phases until one raises, and the list it reports that into."""
+    raised: list[BaseException] = []
+
+    def drive():
+        try:
+            while True:
+                session.next_phase()
+        except BaseException as exc:  # the thread reports whatever ended it
+            raised.append(exc)
+
+    return threading.Thread(target=drive, daemon=True), raised
+
+
 @pytest.mark.cpu
 @pytest.mark.parametrize("busy", [True, False], ids=["mid-phase", "idle"])
 def test_killed_rank_fails_the_group_within_bounded_time(busy):
@@ -237,16 +251,7 @@ def test_killed_rank_fails_the_group_within_bounded_time(busy):
         session = group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1]),
                                      PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
         session.next_phase()
-        raised: list[BaseException] = []
-
-        def drive():
-            try:
-                while True:
-                    session.next_phase()
-            except BaseException as exc:  # the thread reports whatever ended it
-                raised.append(exc)
-
-        thread = threading.Thread(target=drive, daemon=True)
+        thread, raised = phases_in_thread(session)
         if busy:
             thread.start()
             time.sleep(0.3)
