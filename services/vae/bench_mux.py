@@ -4,7 +4,8 @@
 
 The frames are a smooth random picture per frame (libx264's time depends on the content; noise would be its worst
 case), in the decoder's memory layout, which the RGB path gathers frame by frame. The I420 planes are converted by
-`to_i420` beforehand, as the VAE does on a GPU, so only the host's part is timed. Prints the best of `--repeats` chunks for each input. Knows nothing about the decoders or the DiT.
+`to_i420` beforehand, as the VAE does on a GPU, so only the host's part is timed. Prints the best of `--repeats`
+chunks for each input. Knows nothing about the decoders or the DiT.
 """
 from __future__ import annotations
 
