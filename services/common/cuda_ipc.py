@@ -33,12 +33,12 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from services.common import metrics
+from services.common.host_identity import process_alive, read_boot_id
 from services.common.transport import DTYPE_TO_PROTO, PROTO_TO_DTYPE, TransportError, tensor_nbytes
 from vitascope.common.v1 import tensor_pb2 as pb
 
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 ALIGN = 2 << 20  # 2 MiB
 POOL_ID_PREFIX = "cudaipc1:"
-BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 MODE_IPC, MODE_HOST = "cuda_ipc", "host"
 
 
@@ -64,14 +63,6 @@ def _round_up(n: int, align: int) -> int:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Handshake
-
-
-def read_boot_id(path: Path = BOOT_ID_PATH) -> str:
-    """This machine's boot id ("" when the kernel does not expose one)."""
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return ""
 
 
 def gpu_uuids() -> list[str]:
@@ -316,17 +307,6 @@ class IpcProducer:
     @property
     def device_uuid(self) -> str:
         return self.record.device_uuid
-
-
-def process_alive(pid: int) -> bool:
-    """True while a process with this pid exists (the stages share one PID namespace, as CUDA IPC needs)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
 
 
 class OpenPools:

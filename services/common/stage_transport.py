@@ -137,6 +137,10 @@ class IpcExporter:
     def producer(self) -> IpcProducer | None:
         return self._producer
 
+    def local_hello(self) -> pb.TransportHello:
+        """This process's hello, as offered to consumers."""
+        return self._hello()
+
     def session(self, consumer: pb.TransportHello) -> SessionLeases | None:
         """The leases of a new session to `consumer`, or None when its tensors go as host bytes."""
         if not self.offered:

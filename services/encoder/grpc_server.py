@@ -5,7 +5,9 @@ Transport: `EncodeRequest.consumer` carries the DiT's `TransportHello` (the gate
 `TensorPart(cuda=...)` leased from the one pool this process exports (created on the first such request); the slot
 comes back through the `Release` RPC (the DiT emits `StreamResponse.prompt_release` once it has copied the embedding
 out and the gateway passes it on, or the gateway gives back what a session that ended never had copied). A stale or
-unknown release is INVALID_ARGUMENT. Otherwise, and for an embedding that does not fit, host-byte parts.
+unknown release is INVALID_ARGUMENT. Otherwise, and for an embedding that does not fit, host-byte parts. A gateway
+that exits cannot pass its releases on: each lease remembers the caller (`EncodeRequest.caller`), and when the pool
+runs out the leases of callers on this machine that are gone are taken back first (`CallerLeases`).
 
 Observability: each call logs with `session_id` and the caller's span from `EncodeRequest.trace` (a new trace
 when absent), and records its seconds as stage `text`. Prompts are logged by length and hash only.
@@ -15,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from typing import Callable
 
 import grpc
 
 from services.common import tracing
 from services.common.config import EncoderConfig
-from services.common.cuda_ipc import IpcError
+from services.common.cuda_ipc import IpcError, IpcProducer
 from services.common.errors import abort_with
+from services.common.host_identity import process_alive
 from services.common.logging_setup import log_context
 from services.common.metrics import IPC_LEASED_SLOTS, STAGE_LATENCY, record_gpu_memory
 from services.common.stage_transport import IpcExporter, register_transport, sender
@@ -45,6 +49,39 @@ def embedding_exporter(cfg: EncoderConfig) -> IpcExporter:
     return IpcExporter(cfg.device, cfg.ipc_slot_mib << 20, cfg.ipc_slots, CONSUMER, enabled=cfg.cuda_ipc)
 
 
+class CallerLeases:
+    """Which caller each embedding slot out by CUDA IPC was sent to, so the slots of a caller that exited without
+    passing their releases on come back (only callers on this machine's boot: their pids can be asked)."""
+
+    def __init__(self, boot_id: str, alive: Callable[[int], bool] = process_alive):
+        self.boot_id, self._alive = boot_id, alive
+        self._caller: dict[tuple[int, int], int] = {}  # (slot, generation) -> caller pid
+
+    def sent(self, part: tensor_pb2.TensorPart, caller: tensor_pb2.TransportHello) -> None:
+        """Remember the caller of an IPC part (a host part, or a caller of another machine or unnamed: nothing)."""
+        if part.WhichOneof("where") == "cuda" and caller.pid > 0 and self.boot_id and caller.boot_id == self.boot_id:
+            self._caller[(part.cuda.slot, part.cuda.generation)] = caller.pid
+
+    def released(self, message: tensor_pb2.Release) -> None:
+        self._caller.pop((message.slot, message.generation), None)
+
+    def take_back_exited(self, producer: IpcProducer) -> int:
+        """When every slot is out: free the leases of callers that have exited; returns how many came back.
+
+        Only a full pool is searched, and a freed slot is reused last (the ledger's free list is FIFO), so an
+        embedding still in flight to a DiT when its gateway died is not overwritten under it."""
+        if producer.leased < producer.ledger.num_slots:
+            return 0
+        taken = 0
+        for key, pid in list(self._caller.items()):
+            if not self._alive(pid):
+                taken += producer.ledger.reclaim(*key)
+                del self._caller[key]
+        if taken:
+            log.warning("took back %d embedding slot(s) of exited caller(s): their releases never came", taken)
+        return taken
+
+
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     """`exporter`: how embeddings reach the DiT; None builds it from the service profile's encoder section (the
     EncoderConfig defaults for a service without a profile)."""
@@ -54,6 +91,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         profile = getattr(service, "profile", None)
         cfg = profile.encoder if profile is not None else EncoderConfig()
         self.exporter = embedding_exporter(cfg) if exporter is None else exporter
+        self.callers = CallerLeases(self.exporter.local_hello().boot_id)
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
         span = tracing.continue_trace(request.trace.traceparent)
@@ -61,7 +99,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             try:
                 encoded = await asyncio.to_thread(self.service.encode, request.prompt)
                 leases = await asyncio.to_thread(self.exporter.session, request.consumer)
+                if leases is not None:
+                    self.callers.take_back_exited(leases.producer)
                 parts = await asyncio.to_thread(sender(leases, CONSUMER), encoded.embedding)
+                self.callers.sent(parts[0], request.caller)
             except Exception as exc:  # the one boundary where every failure becomes a status
                 await abort_with(context, exc)
                 return
@@ -81,6 +122,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             if producer is None:
                 raise IpcError(f"release of slot {request.slot}: this encoder has exported no CUDA IPC pool")
             producer.release(request)
+            self.callers.released(request)
         except Exception as exc:  # the boundary: every failure becomes a status
             await abort_with(context, exc)
             return

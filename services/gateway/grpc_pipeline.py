@@ -44,6 +44,7 @@ import grpc
 
 from services.common import tracing
 from services.common.grpc_server import CHANNEL_OPTIONS, HEALTH_NAMES
+from services.common.host_identity import process_hello
 from services.common.media import AUDIO_SAMPLE_RATE
 from services.gateway.pipeline import (
     BackendUnavailable,
@@ -146,7 +147,7 @@ class GrpcPipeline(Pipeline):
         parts, seconds = [], 0.0
         trace = tensor_pb2.TraceContext(traceparent=span.traceparent if span is not None else "")
         request = encoder_pb2.EncodeRequest(session_id=session_id, prompt=prompt, trace=trace,
-                                            consumer=await self.transport_hello("dit"))
+                                            consumer=await self.transport_hello("dit"), caller=process_hello())
         try:
             async for reply in self.encoder.Encode(request):
                 parts.append(reply.embedding)

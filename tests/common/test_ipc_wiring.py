@@ -10,6 +10,8 @@ and real `CudaIpcRef` parts, with the tensors kept in a dict instead of device m
 """
 import asyncio
 import os
+import subprocess
+import sys
 import time
 import types
 
@@ -548,6 +550,23 @@ async def test_gateway_gives_back_the_embedding_slots_of_a_session_that_did_not_
     assert stages.dit_consumer.opened == 6  # the DiT copied each prompt out, then refused: no prompt_release came
 
 
+async def test_gateway_names_itself_as_the_encoders_caller(monkeypatch):
+    from services.encoder.grpc_server import CallerLeases
+
+    seen: list[pb.TransportHello] = []
+    monkeypatch.setattr(CallerLeases, "sent", lambda self, part, caller: seen.append(caller))
+    async with Stages() as stages:
+        stages.dit.refuse = True
+        pipeline = GrpcPipeline(stages.addr, stages.addr, stages.addr)
+        try:
+            with pytest.raises(Exception, match="busy"):
+                await pipeline.start(SessionRequest(request_id="named", prompt="p", seed=1, width=64, height=64,
+                                                    fps=24))
+        finally:
+            await pipeline.close()
+    assert [(h.boot_id, h.pid, list(h.gpu_uuids)) for h in seen] == [(read_boot_id(), os.getpid(), [])]
+
+
 async def test_encoder_release_of_an_unknown_slot_is_invalid_argument():
     async with Stages() as stages, grpc.aio.insecure_channel(stages.addr) as channel:
         stub = encoder_pb2_grpc.EncoderStub(channel)
@@ -562,6 +581,42 @@ async def test_encoder_release_of_an_unknown_slot_is_invalid_argument():
         assert stages.encoder_exporter.pools[0].leased == 0
     assert none_yet.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no CUDA IPC pool" in none_yet.value.details()
     assert stale.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stale release" in stale.value.details()
+
+
+async def test_slots_of_an_exited_gateway_come_back_when_the_pool_runs_out():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = pb.TransportHello(boot_id=BOOT, pid=gone.pid)  # a gateway that died before passing its releases on
+    alive = pb.TransportHello(boot_id=BOOT, pid=os.getpid())
+    elsewhere = pb.TransportHello(boot_id="another-boot", pid=gone.pid)  # its pid means nothing here
+    async with Stages() as stages, grpc.aio.insecure_channel(stages.addr) as channel:
+        stub = encoder_pb2_grpc.EncoderStub(channel)
+
+        async def encode(caller: pb.TransportHello) -> pb.TensorPart:
+            request = encoder_pb2.EncodeRequest(prompt="abc", consumer=VAE_HELLO, caller=caller)
+            (reply,) = [r async for r in stub.Encode(request)]
+            return reply.embedding
+
+        lost = [await encode(dead) for _ in range(3)] + [await encode(elsewhere)]
+        (pool,) = stages.encoder_exporter.pools
+        assert [p.WhichOneof("where") for p in lost] == ["cuda"] * 4 and pool.leased == 4
+        fallbacks = _count(metrics.TRANSPORT_FALLBACKS, peer="dit")
+        first = await encode(alive)  # the pool is full: the dead caller's three come back, not the other boot's
+        assert first.WhichOneof("where") == "cuda" and pool.leased == 2
+        assert _count(metrics.TRANSPORT_FALLBACKS, peer="dit") == fallbacks
+        ref = lost[0].cuda
+        with pytest.raises(grpc.aio.AioRpcError) as late:  # a taken-back lease's release is stale
+            await stub.Release(pb.Release(pool_id=ref.pool_id, slot=ref.slot, generation=ref.generation))
+        held = [await encode(alive) for _ in range(2)]
+        assert pool.leased == 4 and all(p.WhichOneof("where") == "cuda" for p in held)
+        extra = await encode(alive)  # full again, every caller alive or unknown: nothing is taken
+        assert extra.WhichOneof("where") == "host" and pool.leased == 4
+        assert _count(metrics.TRANSPORT_FALLBACKS, peer="dit") == fallbacks + 1
+        for part in [first, *held]:  # a live caller's releases still work
+            await stub.Release(pb.Release(pool_id=part.cuda.pool_id, slot=part.cuda.slot,
+                                          generation=part.cuda.generation))
+        assert pool.leased == 1  # the other boot's lease
+    assert late.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stale release" in late.value.details()
 
 
 async def test_dit_prompt_release_follows_started():

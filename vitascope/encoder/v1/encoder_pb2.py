@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vitascope.common.v1 import tensor_pb2 as vitascope_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"vitascope/encoder/v1/encoder.proto\x12\x14vitascope.encoder.v1\x1a vitascope/common/v1/tensor.proto\"\x9c\x01\n\rEncodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x35\n\x08\x63onsumer\x18\x03 \x01(\x0b\x32#.vitascope.common.v1.TransportHello\x12\x30\n\x05trace\x18\x04 \x01(\x0b\x32!.vitascope.common.v1.TraceContext\"p\n\x0e\x45ncodeResponse\x12\x32\n\tembedding\x18\x01 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorPart\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x65ncode_seconds\x18\x03 \x01(\x01\"\x0e\n\x0cReleaseReply2\xad\x01\n\x07\x45ncoder\x12U\n\x06\x45ncode\x12#.vitascope.encoder.v1.EncodeRequest\x1a$.vitascope.encoder.v1.EncodeResponse0\x01\x12K\n\x07Release\x12\x1c.vitascope.common.v1.Release\x1a\".vitascope.encoder.v1.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"vitascope/encoder/v1/encoder.proto\x12\x14vitascope.encoder.v1\x1a vitascope/common/v1/tensor.proto\"\xd1\x01\n\rEncodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x35\n\x08\x63onsumer\x18\x03 \x01(\x0b\x32#.vitascope.common.v1.TransportHello\x12\x30\n\x05trace\x18\x04 \x01(\x0b\x32!.vitascope.common.v1.TraceContext\x12\x33\n\x06\x63\x61ller\x18\x05 \x01(\x0b\x32#.vitascope.common.v1.TransportHello\"p\n\x0e\x45ncodeResponse\x12\x32\n\tembedding\x18\x01 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorPart\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x65ncode_seconds\x18\x03 \x01(\x01\"\x0e\n\x0cReleaseReply2\xad\x01\n\x07\x45ncoder\x12U\n\x06\x45ncode\x12#.vitascope.encoder.v1.EncodeRequest\x1a$.vitascope.encoder.v1.EncodeResponse0\x01\x12K\n\x07Release\x12\x1c.vitascope.common.v1.Release\x1a\".vitascope.encoder.v1.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vitascope.encoder.v1.encode
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEREQUEST']._serialized_start=95
-  _globals['_ENCODEREQUEST']._serialized_end=251
-  _globals['_ENCODERESPONSE']._serialized_start=253
-  _globals['_ENCODERESPONSE']._serialized_end=365
-  _globals['_RELEASEREPLY']._serialized_start=367
-  _globals['_RELEASEREPLY']._serialized_end=381
-  _globals['_ENCODER']._serialized_start=384
-  _globals['_ENCODER']._serialized_end=557
+  _globals['_ENCODEREQUEST']._serialized_end=304
+  _globals['_ENCODERESPONSE']._serialized_start=306
+  _globals['_ENCODERESPONSE']._serialized_end=418
+  _globals['_RELEASEREPLY']._serialized_start=420
+  _globals['_RELEASEREPLY']._serialized_end=434
+  _globals['_ENCODER']._serialized_start=437
+  _globals['_ENCODER']._serialized_end=610
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "consumer", "trace")
+    __slots__ = ("session_id", "prompt", "consumer", "trace", "caller")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     consumer: _tensor_pb2.TransportHello
     trace: _tensor_pb2.TraceContext
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.TransportHello, _Mapping]] = ..., trace: _Optional[_Union[_tensor_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    caller: _tensor_pb2.TransportHello
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.TransportHello, _Mapping]] = ..., trace: _Optional[_Union[_tensor_pb2.TraceContext, _Mapping]] = ..., caller: _Optional[_Union[_tensor_pb2.TransportHello, _Mapping]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("embedding", "num_tokens", "encode_seconds")
