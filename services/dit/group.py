@@ -475,6 +475,8 @@ class DiTGroup:
 
     def probe_forward(self, height: int, width: int, latents: int = 10, runs: int = 5) -> float:
         """Median seconds of one synthetic phase forward run by the whole group (`services.dit.probe`)."""
+        if latents < 1 or runs < 1:  # checked here: a worker would die of it
+            raise ValueError(f"latents={latents}, runs={runs}: probe at least one latent, at least once")
         with self.comm.lock:
             if self.comm.failure is not None:
                 raise GroupFailed(f"the DiT group is down: {self.comm.failure}")

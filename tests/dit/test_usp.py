@@ -212,6 +212,8 @@ def test_group_probe_forward_runs_on_every_rank_between_sessions():
         assert 0 < seconds < 30
         with pytest.raises(ValueError, match="canvas 90x64"):  # refused on rank 0 before any rank moves
             group.probe_forward(64, 90)
+        with pytest.raises(ValueError, match="runs=0"):
+            group.probe_forward(64, 96, runs=0)
         session = group.open_session(session_config(), PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
         with pytest.raises(NoCapacity, match="a session is open"):
             group.probe_forward(64, 96, latents=2, runs=1)
