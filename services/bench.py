@@ -292,6 +292,7 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     records, t_open = [], time.monotonic()
     vae.new_session()
     first = encoder.encode_bytes(prompt_text(0, opts.prompt_tokens))
+    encode_s = time.monotonic() - t_open
     session = runtime.open_session(SessionConfig(seed=8301, width=opts.width, height=opts.height),
                                    PromptUpdate(first.float(), "p0"))
     phases = [(k, p) for k in range(opts.requests) for p in range(PHASES_PER_REQUEST)][:max_phases or None]
@@ -299,7 +300,7 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     first_logged = False
     try:
         for k, p in phases:
-            rec = {"request": k, "phase": p}
+            rec = {"request": k, "phase": p, "encode": encode_s if not records else 0.0}
             if p == 1 and k + 1 < opts.requests:  # the next request's prompt arrives mid-request
                 text = encoder.encode_bytes(prompt_text(k + 1, opts.prompt_tokens))
                 prompt_tokens[k + 1] = text.shape[0]
@@ -335,7 +336,17 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     return records, records[0]["delivered"] - t_open
 
 
-def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
+def first_chunk_parts(first: dict, ttfc: float) -> str:
+    """Where a session's first chunk went: its record's stage seconds in order, the rest as waiting."""
+    parts = {s: first[s] for s in ("encode", "dit", "transport", "video_decode", "mux")}
+    parts["waiting"] = ttfc - sum(parts.values())  # queues, the VAE process's hand-over, the clock's resolution
+    inside = f"teacher {first['teacher']:.3f}, students {first['student']:.3f}, commit {first['commit']:.3f}"
+    shown = " + ".join(f"{name} {sec:.3f}" + (f" ({inside})" if name == "dit" else "")
+                       for name, sec in parts.items())
+    return f"{shown} = {ttfc:.3f} s"
+
+
+def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: dict) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
              f"adaln_cache={opts.adaln_cache}, merge_lora={opts.merge_lora}, cuda_graphs={opts.cuda_graphs}, "
              f"teacher_sharded={opts.teacher_sharded}, attention={opts.attention}, "
@@ -348,6 +359,9 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int) -> str:
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
              f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
+             f"first chunk, cold: {first_chunk_parts(records[0], ttfc)}",
+             f"first chunk, warm: {first_chunk_parts(warm_first, warm_ttfc)}",
+             "(video_decode: the phase's decode, its audio decoded beside it; waiting: the rest)",
              "delivered = time between the last chunk of the request before and this request's last chunk; "
              "RTF = delivered / media seconds", "",
              "req |   DiT s | teacher | student | commit | transport | vdecode | adecode |  mux | delivered s | RTF "
@@ -504,7 +518,7 @@ def main() -> None:
             flops = FlopCounter(runtime.model.args, lora_rank(runtime.model))
             runtime.model.register_forward_pre_hook(flops.hook, with_kwargs=True)
             records, ttfc = run_session(opts, device, encoder, runtime, vae, flops)
-            _, warm_ttfc = run_session(opts, device, encoder, runtime, vae, flops, max_phases=1)
+            warm, warm_ttfc = run_session(opts, device, encoder, runtime, vae, flops, max_phases=1)
     finally:
         vae.stop()
     del encoder
@@ -516,7 +530,7 @@ def main() -> None:
     gpus = profile.dit.usp_degree
     del runtime
     gc.collect()
-    print(summarize(opts, records, ttfc, warm_ttfc, startup, gpus=gpus), flush=True)
+    print(summarize(opts, records, ttfc, warm_ttfc, startup, gpus=gpus, warm_first=warm[0]), flush=True)
     base = None
     if opts.baseline:  # one GPU, a fresh DiT built like the profile's (FP8, AdaLN cache, LoRA)
         torch.cuda.empty_cache()

@@ -27,6 +27,14 @@ def test_bench_runs_on_the_tiny_preset():
     logged = re.findall(r"time to first chunk (\d+\.\d+) s", run.stderr)
     summary = re.search(r"teacher: (\d+\.\d+) s \(first session after start-up\), (\d+\.\d+) s \(warm", out)
     assert logged == list(summary.groups())
+    # where each first chunk went: the stages ran one after another, so they cannot add up to more than it took
+    for which, ttfc in zip(("cold", "warm"), summary.groups()):
+        line = next(x for x in out.splitlines() if x.startswith(f"first chunk, {which}: "))
+        stages = re.sub(r"\([^)]*\)", "", line.split(": ", 1)[1])  # without the DiT's own parts
+        parts = {name: float(sec) for name, sec in re.findall(r"(\w+) (-?\d+\.\d+)", stages)}
+        assert float(line.rsplit("= ", 1)[1].removesuffix(" s")) == float(ttfc)
+        assert min(parts[k] for k in ("encode", "dit", "video_decode", "mux")) > 0, line
+        assert parts["waiting"] > -0.002, line
 
 
 @pytest.mark.cpu
