@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ from services.dit.geometry import TEACHER_TAIL_LATENTS, plan_request
 from services.dit.group import DiTGroup
 from services.dit.lora import ADAPTER_NAME
 from services.dit.model import PRESETS, DiT, FullAttention, ModelArgs
-from services.dit.probe import phase_inputs, time_forward
+from services.dit.probe import phase_inputs, time_call, time_forward
 from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
 from services.dit.teacher import STEPS as TEACHER_STEPS
@@ -422,18 +421,10 @@ def baseline(opts, device, model: DiT) -> dict:
             encoder_hidden_states=text[None], timestep=ts, timestep_indices=slot, token_tags=tags.clamp(min=0),
             position_ids=layout.positions[:real], video_indices=idx[tags == 0], audio_indices=idx[tags == 2],
             text_indices=idx[tags == 1])
-        run_ref()
-        times = []
-        for _ in range(5):  # same SDPA kernels as ours (dit.attention; torch 2.11 on an H200 picks cuDNN anyway)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run_ref()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+        theirs = time_call(run_ref, device)  # same SDPA kernels as ours (dit.attention; an H200 picks cuDNN anyway)
         del ref, run_ref
     torch.cuda.empty_cache()
-    return {"rows": real, "ours_s": ours, "diffusers_s": statistics.median(times)}
+    return {"rows": real, "ours_s": ours, "diffusers_s": theirs}
 
 
 PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
@@ -454,9 +445,8 @@ def profile_options(profile: Profile) -> dict:
                 max_tokens=profile.encoder.max_tokens, fp8=dit.fp8, adaln_cache=dit.adaln_cache,
                 cuda_graphs=dit.cuda_graphs, prompt_buckets=",".join(map(str, dit.prompt_buckets)),
                 attention=dit.attention, merge_lora=dit.merge_lora, teacher_sharded=dit.teacher_sharded,
-                tile_overlap=vae.tile_overlap_px,
-                vae_tile_devices=",".join(vae.tile_devices), vae_compile=vae.compile_blocks,
-                window=dit.max_phases_ahead)
+                tile_overlap=vae.tile_overlap_px, vae_tile_devices=",".join(vae.tile_devices),
+                vae_compile=vae.compile_blocks, window=dit.max_phases_ahead)
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 `phase_inputs` builds the same seeded document on every rank and device (text, audio and the video rows of
 `latents` latents at a canvas, a student step's timesteps, no history); `time_forward` runs it through
-`FullAttention` and returns the median time of a few runs after one warm-up (CUDA events on a GPU). Under Ulysses
+`FullAttention` and returns the median time of a few runs after one warm-up (`time_call`: CUDA events on a GPU). Under Ulysses
 every rank calls it with the same inputs (the group sends a `ProbeForward` record), so rank 0's time is the
 group's. Knows nothing about sessions, the KV cache or diffusers.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -48,23 +49,27 @@ def phase_inputs(model: DiT, height: int, width: int, latents: int = 10
 
 def time_forward(model: DiT, inputs: tuple, runs: int = 5) -> float:
     """Median seconds of `runs` forwards of `inputs` (from `phase_inputs`) after one warm-up."""
+    video, audio, text, layout = inputs
+    return time_call(lambda: model(video, audio, text, layout, FullAttention(layout)), video.device, runs)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, runs: int = 5) -> float:
+    """Median seconds of `runs` calls of `fn` after one warm-up: CUDA events on a GPU, the wall clock elsewhere."""
     if runs < 1:
         raise ValueError(f"runs={runs}: time at least one forward")
-    video, audio, text, layout = inputs
-    dev = video.device
     times = []
     with torch.no_grad():
         for i in range(runs + 1):
-            if dev.type == "cuda":
+            if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                model(video, audio, text, layout, FullAttention(layout))
+                fn()
                 end.record()
                 end.synchronize()
                 seconds = start.elapsed_time(end) / 1e3
             else:
                 started = time.perf_counter()
-                model(video, audio, text, layout, FullAttention(layout))
+                fn()
                 seconds = time.perf_counter() - started
             if i:  # the first run warms up
                 times.append(seconds)
