@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import re
-import socket
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+from services.dit.launch import free_port
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.pipeline import SessionRequest
 from services.up import bring_up, stop_all
@@ -34,12 +34,6 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 SESSION_TIMEOUT_S = 300.0
 CHUNKS = 8  # two requests
 LONG_CHUNKS = 48  # twelve requests
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -64,14 +58,14 @@ def stages(request, tmp_path_factory) -> Stages:
     raw["profile"] = "tiny_cuda_ipc"
     raw["model"]["dir"] = str(tmp / "checkpoint")
     raw["model"]["write_if_missing"] = True
-    raw["endpoints"] = {name: f"127.0.0.1:{_free_port()}" for name in ("encoder", "dit", "vae")}
-    raw["encoder"].update(device="cuda:0", metrics_port=_free_port(), cuda_ipc=True)
-    raw["dit"].update(devices=["cuda:0"], metrics_port=_free_port(), cuda_ipc=True)
-    raw["vae"].update(device=vae_device, metrics_port=_free_port())
+    raw["endpoints"] = {name: f"127.0.0.1:{free_port('127.0.0.1')}" for name in ("encoder", "dit", "vae")}
+    raw["encoder"].update(device="cuda:0", metrics_port=free_port("127.0.0.1"), cuda_ipc=True)
+    raw["dit"].update(devices=["cuda:0"], metrics_port=free_port("127.0.0.1"), cuda_ipc=True)
+    raw["vae"].update(device=vae_device, metrics_port=free_port("127.0.0.1"))
     if vae_device != "cuda:0":  # the rest of the usp2 profile's serving options as well
         raw["dit"].update(merge_lora=True, attention="cudnn")
         raw["vae"].update(compile_blocks=True, tile_devices=["cuda:0"])
-    raw["gateway"]["port"] = _free_port()
+    raw["gateway"]["port"] = free_port("127.0.0.1")
     profile = tmp / "profile.yaml"
     profile.write_text(yaml.safe_dump(raw))
     procs = bring_up(profile)
