@@ -249,9 +249,17 @@ def _check_graphs(section_name: str, enabled: bool, devices: tuple[str, ...], bu
         raise ValueError(f"{section_name}.cuda_graphs={enabled!r}: must be true or false")
     if enabled and not all(d.startswith("cuda") for d in devices):
         raise ValueError(f"{section_name}.cuda_graphs is true but its devices are {list(devices)}: graphs need CUDA")
-    if not buckets or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in buckets) \
-            or list(buckets) != sorted(set(buckets)):
-        raise ValueError(f"{section_name}.prompt_buckets={list(buckets)}: must be strictly increasing positive ints")
+    if why := bucket_sizes_error(buckets):
+        raise ValueError(f"{section_name}.prompt_buckets={list(buckets)}: {why}")
+
+
+def bucket_sizes_error(sizes: tuple[int, ...]) -> str:
+    """Why `sizes` cannot be prompt-length buckets ("" when they can): at least one, positive ints, increasing."""
+    if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+        return "must be a non-empty tuple of positive ints"
+    if list(sizes) != sorted(set(sizes)):
+        return "must be strictly increasing"
+    return ""
 
 
 def _check_dtype(name: str, value: str) -> None:

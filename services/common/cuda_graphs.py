@@ -25,7 +25,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from services.common.config import PROMPT_BUCKETS
+from services.common.config import PROMPT_BUCKETS, bucket_sizes_error
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,8 @@ class PromptBuckets:
     sizes: tuple[int, ...] = PROMPT_BUCKETS
 
     def __post_init__(self) -> None:
-        s = self.sizes
-        if not s or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in s):
-            raise GraphError(f"bucket sizes {s!r} must be a non-empty tuple of positive ints")
-        if list(s) != sorted(set(s)):
-            raise GraphError(f"bucket sizes {s!r} must be strictly increasing")
+        if why := bucket_sizes_error(self.sizes):
+            raise GraphError(f"bucket sizes {self.sizes!r}: {why}")
 
     def bucket(self, length: int) -> int:
         """The bucket a prompt of `length` rows is padded to."""
