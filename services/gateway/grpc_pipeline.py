@@ -101,6 +101,7 @@ class GrpcPipeline(Pipeline):
         """Hand the VAE's hello to the DiT and the DiT's to the encoder (CUDA IPC where two stages share a GPU);
         False: empty hellos, always host bytes."""
         self._hellos: dict[str, tensor_pb2.TransportHello] = {}
+        self._own_hello = process_hello()  # names this gateway to the encoder as the caller of its embeddings
         self._channels = {
             name: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
             for name, addr in (("encoder", encoder_addr), ("dit", dit_addr), ("vae", vae_addr))
@@ -147,7 +148,7 @@ class GrpcPipeline(Pipeline):
         parts, seconds = [], 0.0
         trace = tensor_pb2.TraceContext(traceparent=span.traceparent if span is not None else "")
         request = encoder_pb2.EncodeRequest(session_id=session_id, prompt=prompt, trace=trace,
-                                            consumer=await self.transport_hello("dit"), caller=process_hello())
+                                            consumer=await self.transport_hello("dit"), caller=self._own_hello)
         try:
             async for reply in self.encoder.Encode(request):
                 parts.append(reply.embedding)
