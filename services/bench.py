@@ -154,7 +154,7 @@ def build(opts):
         dit=DiTConfig(devices=devices, dtype="bfloat16" if cuda else "float32",
                       canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache,
                       merge_lora=opts.merge_lora, attention=opts.attention, cuda_graphs=opts.cuda_graphs,
-                      teacher_sharded=opts.teacher_sharded,
+                      teacher_sharded=opts.teacher_sharded, teacher_overlap=opts.teacher_overlap,
                       prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))))
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
         else DiTGroup.start(profile, build_runtime)
@@ -335,11 +335,14 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     return records, records[0]["delivered"] - t_open
 
 
-def first_chunk_parts(first: dict, ttfc: float) -> str:
-    """Where a session's first chunk went: its record's stage seconds in order, the rest as waiting."""
+def first_chunk_parts(first: dict, ttfc: float, teacher_beside: bool) -> str:
+    """Where a session's first chunk went: its record's stage seconds in order, the rest as waiting (a teacher
+    replayed beside the students overlaps them inside the DiT's share)."""
     parts = {s: first[s] for s in ("encode", "dit", "transport", "video_decode", "mux")}
     parts["waiting"] = ttfc - sum(parts.values())  # queues, the VAE process's hand-over, the clock's resolution
-    inside = f"teacher {first['teacher']:.3f}, students {first['student']:.3f}, commit {first['commit']:.3f}"
+    beside = " beside the students" if teacher_beside else ""
+    inside = (f"teacher {first['teacher']:.3f}{beside}, students {first['student']:.3f}, "
+              f"commit {first['commit']:.3f}")
     shown = " + ".join(f"{name} {sec:.3f}" + (f" ({inside})" if name == "dit" else "")
                        for name, sec in parts.items())
     return f"{shown} = {ttfc:.3f} s"
@@ -348,7 +351,8 @@ def first_chunk_parts(first: dict, ttfc: float) -> str:
 def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: dict) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
              f"adaln_cache={opts.adaln_cache}, merge_lora={opts.merge_lora}, cuda_graphs={opts.cuda_graphs}, "
-             f"teacher_sharded={opts.teacher_sharded}, attention={opts.attention}, "
+             f"teacher_sharded={opts.teacher_sharded}, teacher_overlap={opts.teacher_overlap}, "
+             f"attention={opts.attention}, "
              f"GPUs={gpus}; " + (
                  "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
                  f"VAE + mux in their own process on {opts.devices.split(',')[-1]} (tiles overlap >= "
@@ -358,8 +362,8 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
              f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
-             f"first chunk, cold: {first_chunk_parts(records[0], ttfc)}",
-             f"first chunk, warm: {first_chunk_parts(warm_first, warm_ttfc)}",
+             f"first chunk, cold: {first_chunk_parts(records[0], ttfc, opts.teacher_overlap)}",
+             f"first chunk, warm: {first_chunk_parts(warm_first, warm_ttfc, opts.teacher_overlap)}",
              "(video_decode: the phase's decode, its audio decoded beside it; waiting: the rest)",
              "delivered = time between the last chunk of the request before and this request's last chunk; "
              "RTF = delivered / media seconds", "",
@@ -428,8 +432,8 @@ def baseline(opts, device, model: DiT) -> dict:
 
 
 PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
-                   "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "tile_overlap", "vae_tile_devices",
-                   "vae_compile", "window")
+                   "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "teacher_overlap", "tile_overlap",
+                   "vae_tile_devices", "vae_compile", "window")
 """The bench options `--profile` takes from a deployment profile."""
 
 
@@ -445,6 +449,7 @@ def profile_options(profile: Profile) -> dict:
                 max_tokens=profile.encoder.max_tokens, fp8=dit.fp8, adaln_cache=dit.adaln_cache,
                 cuda_graphs=dit.cuda_graphs, prompt_buckets=",".join(map(str, dit.prompt_buckets)),
                 attention=dit.attention, merge_lora=dit.merge_lora, teacher_sharded=dit.teacher_sharded,
+                teacher_overlap=dit.teacher_overlap,
                 tile_overlap=vae.tile_overlap_px, vae_tile_devices=",".join(vae.tile_devices),
                 vae_compile=vae.compile_blocks, window=dit.max_phases_ahead)
 
@@ -475,6 +480,9 @@ def main() -> None:
                         help="fold the LoRA into the base weights; the teacher subtracts it (dit.merge_lora)")
     parser.add_argument("--teacher-sharded", action="store_true",
                         help="graphed teacher steps sharded over the DiT group (dit.teacher_sharded)")
+    parser.add_argument("--teacher-overlap", action="store_true",
+                        help="graphed teacher steps replayed beside the commit and the first student step "
+                             "(dit.teacher_overlap)")
     parser.add_argument("--tile-overlap", type=int, default=VAEConfig().tile_overlap_px,
                         help="minimum overlap of the video decode tiles in px (vae.tile_overlap_px)")
     parser.add_argument("--vae-tile-devices", default="",

@@ -130,6 +130,11 @@ class DiTConfig:
     inside a graph cannot be aborted, so a rank that dies during the teacher leaves GPU 0's stream blocked; the
     service still reports NOT_SERVING, but only a restart of its process frees it. Off: every rank runs the
     teacher whole and a dead rank fails the group cleanly."""
+    teacher_overlap: bool = False
+    """Replay the audio teacher's graphs on their own CUDA stream, from a worker thread, beside the previous phase's
+    commit and the first student step of each request (which needs no teacher state); the next steps wait for the
+    states they use. Needs `cuda_graphs` and not `teacher_sharded` (its all-to-alls would interleave with the
+    students'). Off: the teacher runs before the students."""
     cuda_ipc: bool = True
     """Offer CUDA IPC to the VAE when the DiT's rank 0 runs on CUDA: latents then go through one exported device
     pool on `devices[0]` when the VAE runs on the same machine and sees that GPU (else host bytes, counted in
@@ -160,6 +165,9 @@ class DiTConfig:
         if self.teacher_sharded and not (self.cuda_graphs and len(self.devices) > 1):
             raise ValueError("dit.teacher_sharded needs dit.cuda_graphs and 2 or 4 dit.devices (eager teacher steps "
                              "are host-bound and run whole on every rank)")
+        if self.teacher_overlap and (not self.cuda_graphs or self.teacher_sharded):
+            raise ValueError("dit.teacher_overlap needs dit.cuda_graphs and not dit.teacher_sharded (only whole, "
+                             "graphed teacher steps run beside the students)")
         if not isinstance(self.merge_lora, bool):
             raise ValueError(f"dit.merge_lora={self.merge_lora!r}: must be true or false")
         if self.attention not in SDPA_KERNELS:

@@ -2,8 +2,9 @@
 
 `CudaGraphBank` holds one CUDA graph per `GraphKey` (a name, a free-form tag such as a step index, plus the
 (shape, dtype) signature of the static inputs). Every graph is captured into ONE shared memory pool
-(`torch.cuda.graph_pool_handle()`); this is safe because graphs are replayed one at a time on one stream and each
-graph's static outputs stay referenced, so no later capture reuses their memory. `seal()` ends start-up: from then
+(`torch.cuda.graph_pool_handle()`); this is safe because graphs are replayed one at a time (the caller orders them:
+the audio teacher replays on its own stream, never while another of its replays runs) and each graph's static
+outputs stay referenced, so no later capture reuses their memory. `seal()` ends start-up: from then
 on a key that was not captured runs eagerly (counted in `misses`) instead of capturing in the hot path. On a CPU
 bank every call runs eagerly (same API, used by the CPU tests).
 
@@ -184,14 +185,20 @@ class CudaGraphBank:
 
     def run(self, key: GraphKey, fn: Callable[..., object], inputs: Sequence[torch.Tensor]) -> object:
         """Replay the graph of `key` on `inputs` (copied into its static buffers), or run `fn` eagerly."""
-        entry = self._entries.get(key)
-        if entry is None:
+        if key not in self._entries:
             self.stats.misses += 1
             if len(self.stats.missed_keys) < self._max_logged_misses:
                 self.stats.missed_keys.append(key)
                 log.warning("no graph for %s %s: running eagerly", key.phase, key.tag)
             with torch.no_grad():
                 return fn(*inputs)
+        return self.replay(key, inputs)
+
+    def replay(self, key: GraphKey, inputs: Sequence[torch.Tensor]) -> object:
+        """Replay the graph of `key` on `inputs` on the current stream; a key that was not captured is an error."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise GraphError(f"no graph for {key.phase} {key.tag} with inputs {key.signature}")
         if signature_of(inputs) != key.signature:
             raise GraphError(f"inputs {signature_of(inputs)} do not match graph {key.phase} {key.tag} signature "
                              f"{key.signature}")

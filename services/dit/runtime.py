@@ -2,13 +2,15 @@
 audio+video latents, phase by phase.
 
 Per request (5 s): choose the prompt (hold, updates), draw the noise (audio from seed + k after a discarded full
-video draw, video from seed + k * 1,000,003), run the audio teacher once. Per phase: three LoRA-student forwards
-(Euler on video; the student's audio is overwritten by teacher states 3/6/9), renormalise the clean video to the
-first phase's per-channel statistics, hand the latents out, then one clean-commit forward at sigma = 0 without heads
-that stages K/V of every layer and commits them as one transaction (rollback on any failure). The commit runs at the
-start of the next phase (before its students, which read that K/V): a phase's latents never wait for their own
-commit, and a failed commit is retried before anything else. Cancellation is checked between forwards and releases
-the session's KV at once. Knows nothing about transport, encoding or decoding.
+video draw, video from seed + k * 1,000,003), start the audio teacher (with `dit.teacher_overlap` its graphs replay
+beside the previous phase's commit and the first student step, which needs no teacher state). Per phase: three
+LoRA-student forwards (Euler on video; the student's audio is overwritten by teacher states 3/6/9, each waited for
+when it is needed), renormalise the clean video to the first phase's per-channel statistics, hand the latents out,
+then one clean-commit forward at sigma = 0 without heads that stages K/V of every layer and commits them as one
+transaction (rollback on any failure). The commit runs at the start of the next phase (before its students, which
+read that K/V): a phase's latents never wait for their own commit, and a failed commit is retried before the
+students. Cancellation is checked between forwards and releases the session's KV at once. Knows nothing about
+transport, encoding or decoding.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT
 from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, euler_step, model_t
 from services.dit.session import CancelToken, PromptBook, RequestPrompt
-from services.dit.teacher import AudioTeacher
+from services.dit.teacher import AudioTeacher, TeacherRun
 from services.dit.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,7 @@ class _RequestState:
     text: torch.Tensor  # [L, text_dim] on the model device
     video_noise: torch.Tensor  # [F, C, h, w]
     audio_noise: torch.Tensor  # [2, A, 32]
-    audio: list[torch.Tensor]  # teacher states 3/6/9, [2, A, 32]
-    teacher_s: float
+    teacher: TeacherRun  # states 3/6/9, [2, A, 32]
 
 
 class DiTRuntime:
@@ -203,39 +204,45 @@ class StreamingSession:
                 self.cancel()
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # this stream only: the teacher's may still be replaying beside it
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _start_request(self) -> _RequestState:
         k, model = self.request_index, self.runtime.model
         if self._boundary is None:  # chosen once per request, even if a later step fails and the phase is retried
             self._boundary = self.prompts.for_request(k, self.cancel_token)
         rp = self._boundary
-        t0 = time.perf_counter()
         plan = plan_request(k)
-        reset = self.runtime.config.audio_reset_requests
-        if k > 0 and k % reset == 0:
-            self.kv.drop_audio()
-            log.info("request %d: dropped cached audio history", k)
         video, audio = request_noise(self.config.seed, plan, self.canvas, model.args.video_channels,
                                      model.args.audio_channels)
         text = rp.prompt.embedding.to(self.device, model.dtype)
-        states = self.runtime.teacher.run(text, plan, self.timeline, audio, self._tail, self.cancel_token)
-        self._sync()
+        teacher = self.runtime.teacher.start(text, plan, self.timeline, audio, self._tail, self.cancel_token)
         self._boundary = None
-        return _RequestState(plan, rp, text, video, audio, states, time.perf_counter() - t0)
+        return _RequestState(plan, rp, text, video, audio, teacher)
 
     def _phase(self) -> PhaseOutput:
         t_start = time.perf_counter()
         self._check()
-        commit_s = self._commit_previous()
         first_phase = self.phase_index == 0
+        # The teacher starts before the previous phase's commit, which it may run beside; but a session that may
+        # hold for a prompt (in `_start_request`) commits first, so the GPU has nothing left to do while it waits.
+        commit_s = self._commit_previous() if self.config.hold.enabled else 0.0
         if self._request is None:  # kept across a failed phase, so a retry reuses prompt, noise and teacher
             self._request = self._start_request()
         req = self._request
+        commit_s += self._commit_previous()
+        k, reset = self.request_index, self.runtime.config.audio_reset_requests
+        if first_phase and k > 0 and k % reset == 0 and self.kv.audio_rows:  # after request k - 1's last commit
+            self.kv.drop_audio()
+            log.info("request %d: dropped cached audio history", k)
         ph = req.plan.phases[self.phase_index]
         t0 = time.perf_counter()
-        xv, audio = self._student(req, ph)
+        try:
+            xv, audio = self._student(req, ph)
+        except BaseException:
+            if req.teacher.failed:  # a retry starts the request's teacher again, with the same prompt
+                self._boundary, self._request = req.prompt, None
+            raise
         video, mean, std = self._renormalise(xv, ph)
         self._sync()
         t1 = time.perf_counter()
@@ -244,9 +251,9 @@ class StreamingSession:
             self._ref_stats = (mean, std)
         last = self.phase_index == len(req.plan.phases) - 1
         if last:
-            self._tail = req.audio[-1][:, -TEACHER_TAIL_LATENTS:].clone()
+            self._tail = req.teacher.state(-1)[:, -TEACHER_TAIL_LATENTS:].clone()
         timings = PhaseTimings(hold_s=req.prompt.hold_seconds if first_phase else 0.0,
-                               teacher_s=req.teacher_s if first_phase else 0.0, student_s=t1 - t0,
+                               teacher_s=req.teacher.seconds if first_phase else 0.0, student_s=t1 - t0,
                                commit_s=commit_s, total_s=time.perf_counter() - t_start)
         meta = PhaseMeta(request_index=self.request_index, phase_index=self.phase_index, num_frames=ph.num_frames,
                          num_audio_samples=ph.num_audio_samples, num_video_latents=ph.num_latents,
@@ -284,7 +291,7 @@ class StreamingSession:
             with torch.no_grad():
                 vv, _ = model(xv, xa, req.text, layout, StreamingAttention(layout, self.kv))
             xv = euler_step(xv, vv, VIDEO_SIGMAS[s], VIDEO_SIGMAS[s + 1])
-            xa = req.audio[s][:, a0:a1].reshape(-1, ch)  # the teacher's milestone replaces the student's audio
+            xa = req.teacher.state(s)[:, a0:a1].reshape(-1, ch)  # the teacher's milestone replaces the student's
         return xv, xa
 
     def _renormalise(self, rows: torch.Tensor, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,6 +11,11 @@ records each step as a CUDA graph at start-up, per prompt-length bucket and audi
 to its bucket and the padding rows are masked out as attention keys (`PackedLayout.text_valid`), so the real rows
 compute what the unpadded prompt gives. Under Ulysses the steps run whole on each rank (`placement`), or, with
 `dit.teacher_sharded`, graphed and sharded over the ranks like any forward (the all-to-alls captured with them).
+
+`start` begins a request's teacher and returns a `TeacherRun` whose states the students wait for one by one. With
+`overlap` (`dit.teacher_overlap`) and every step captured, a worker thread replays the graphs on the teacher's own
+high-priority CUDA stream while the caller goes on with the previous phase's commit and the first student step,
+which needs no teacher state; otherwise the steps run at once, on the caller's stream.
 Knows nothing about video, the KV cache or sessions.
 """
 
@@ -18,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
+from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets, signature_of
 from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request
 from services.dit.layout import PackedLayout, pack_layout
 from services.dit.lora import LoRAAdapter
@@ -67,6 +73,61 @@ def step_forward(model: DiT, layout: PackedLayout) -> Callable[..., torch.Tensor
     return fn
 
 
+class TeacherRun:
+    """States 3, 6 and 9 of one request's teacher: `state(i)` waits for state i alone, so a student step runs as
+    soon as the teacher state it needs is there."""
+
+    def __init__(self) -> None:
+        self._states: list[Future] = [Future() for _ in TEACHER_MILESTONES]
+        self._seconds: Future = Future()
+
+    def state(self, index: int) -> torch.Tensor:
+        """Teacher state `TEACHER_MILESTONES[index]`, float32 `[2, A, 32]`, usable on the caller's stream."""
+        state, ready = self._states[index].result()
+        if ready is not None:  # produced on the teacher's stream: order the caller's stream after it
+            stream = torch.cuda.current_stream(state.device)
+            stream.wait_event(ready)
+            state.record_stream(stream)
+        return state
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the teacher's steps (waits for the last one)."""
+        return self._seconds.result()
+
+    @property
+    def failed(self) -> bool:
+        """True once the steps raised; every `state()` not yet produced raises the same error."""
+        return self._seconds.done() and self._seconds.exception() is not None
+
+    def _publish(self, index: int, state: torch.Tensor, ready: "torch.cuda.Event | None") -> None:
+        self._states[index].set_result((state, ready))
+
+    def _finish(self, seconds: float) -> None:
+        self._seconds.set_result(seconds)
+
+    def _fail(self, exc: BaseException) -> None:
+        for f in (*self._states, self._seconds):
+            if not f.done():
+                f.set_exception(exc)
+
+
+@dataclass
+class _Document:
+    """A request's teacher inputs on the device: the prompt (padded to its bucket with graphs), positions, noise."""
+
+    text: torch.Tensor  # [L or bucket, text_dim]
+    valid: torch.Tensor | None  # [bucket] bool, None unpadded
+    pos_text: torch.Tensor  # [L or bucket, 3]
+    pos_audio: torch.Tensor  # [2 * (n_tail + A), 3]
+    noise: torch.Tensor  # [2, A, 32] float32
+    tail: torch.Tensor | None  # [2, n_tail, 32] float32
+
+    @property
+    def n_tail(self) -> int:
+        return 0 if self.tail is None else self.tail.shape[1]
+
+
 class AudioTeacher:
     """Runs the base-model audio trajectory of one request."""
 
@@ -79,6 +140,12 @@ class AudioTeacher:
         """The captured steps (`capture_graphs`); None runs each step eagerly on the prompt's exact rows."""
         self.buckets: PromptBuckets | None = None
         """Prompt lengths the graphs were captured for (set with `graphs`)."""
+        self.overlap = False
+        """Replay the captured steps beside the caller (`start`); set from `dit.teacher_overlap`. Only for steps
+        without collectives: a sharded teacher's all-to-alls must not interleave with the students'."""
+        self._stream: "torch.cuda.Stream | None" = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._last: Future | None = None  # the latest run's end: runs never overlap each other (one graph pool)
 
     def _suspended(self) -> ContextManager:
         return self.adapter.suspended() if self.adapter is not None else nullcontext()
@@ -112,40 +179,126 @@ class AudioTeacher:
     def release_graphs(self) -> None:
         """Free the captured steps (before the process group is destroyed: sharded graphs hold its communicator);
         later requests run eagerly."""
+        if self._last is not None:
+            self._last.result()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         if self.graphs is not None:
             self.graphs.close()
         self.graphs = self.buckets = None
 
+    def start(self, text: torch.Tensor, request: RequestPlan, timeline: Timeline, noise: torch.Tensor,
+              tail: torch.Tensor | None, cancel: CancelToken) -> TeacherRun:
+        """Begin the request's teacher (states 3, 6, 9 as float32 `[2, A, 32]` for the whole request).
+
+        Beside the caller when `overlap` is set and every step of this document is captured: the graphs replay in a
+        worker thread on the teacher's stream, without cancellation checks (under Ulysses those are collectives,
+        which only the caller's thread may run; the steps are at most ~0.5 s). Otherwise the steps run now.
+        """
+        if self._last is not None:  # the previous run's steps may still be replaying (an abandoned request)
+            self._last.result()
+        run = TeacherRun()
+        doc = self._document(text, request, timeline, noise, tail) if self.overlap else None
+        if doc is None or not self._captured(doc):
+            started = time.perf_counter()
+            if self._stream is not None:  # graph replays on the teacher's stream happened before this one
+                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            try:
+                states = self.run(text, request, timeline, noise, tail, cancel)
+                _sync(states[-1].device)
+            except BaseException as exc:
+                run._fail(exc)
+                raise
+            for i, state in enumerate(states):
+                run._publish(i, state, None)
+            run._finish(time.perf_counter() - started)
+            return run
+        dev = doc.noise.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev, priority=-1)  # its steps first whenever both streams have work
+            self._worker = ThreadPoolExecutor(1, "dit-teacher")
+        self._stream.wait_stream(torch.cuda.current_stream(dev))  # the prompt and the tail were made on it
+        self._last = self._worker.submit(self._beside, doc, run)
+        return run
+
+    def _beside(self, doc: _Document, run: TeacherRun) -> None:
+        """Worker thread: replay the request's steps on the teacher's stream, publishing each state with an event."""
+        started = time.perf_counter()
+        try:
+            with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream), torch.no_grad():
+                def publish(index: int, state: torch.Tensor) -> None:
+                    ready = torch.cuda.Event()
+                    ready.record(self._stream)
+                    run._publish(index, state, ready)
+                self._steps(doc, None, publish, replay_only=True)
+                self._stream.synchronize()
+            run._finish(time.perf_counter() - started)
+        except BaseException as exc:  # surfaces in the caller's state(); the worker thread goes on
+            log.exception("teacher steps beside the students failed")
+            run._fail(exc)
+
     def run(self, text: torch.Tensor, request: RequestPlan, timeline: Timeline, noise: torch.Tensor,
             tail: torch.Tensor | None, cancel: CancelToken) -> list[torch.Tensor]:
-        """Return the teacher states 3, 6, 9 as float32 `[2, A, 32]` for the whole request."""
+        """Return the teacher states 3, 6, 9 as float32 `[2, A, 32]` for the whole request, on this thread."""
+        states: list[torch.Tensor] = []
+        doc = self._document(text, request, timeline, noise, tail)
+        with self._suspended(), self.placement(), torch.no_grad():
+            self._steps(doc, cancel, lambda i, state: states.append(state), replay_only=False)
+        return states
+
+    def _document(self, text: torch.Tensor, request: RequestPlan, timeline: Timeline, noise: torch.Tensor,
+                  tail: torch.Tensor | None) -> _Document:
         # text: [L, text_dim]; noise: [2, A, 32]; tail: [2, 40, 32] clean audio of the previous request or None
-        _, num, ch = noise.shape
         n_tail = 0 if tail is None else tail.shape[1]
         dev = self.model.condition_proj.weight.device
         pos_text = timeline.text(request.request_index, text.shape[0])  # [L, 3]
-        pos_audio = timeline.audio(request.audio_start - n_tail, n_tail + num)
+        pos_audio = timeline.audio(request.audio_start - n_tail, n_tail + noise.shape[1])
         valid = None
         if self.graphs is not None:  # pad to the bucket: [L, text_dim] -> [B, text_dim], positions [B, 3]
             text, n = self.buckets.pad(text)
             pos_text = torch.cat([pos_text, pos_text.new_zeros(text.shape[0] - n, 3)])
             valid = torch.arange(text.shape[0], device=dev) < n  # [B] bool
-        x = noise.float().to(dev)  # [2, A, 32]
-        tail_rows = None if tail is None else tail.float().to(dev)
-        states: list[torch.Tensor] = []
-        with self._suspended(), self.placement(), torch.no_grad():
-            for i in range(STEPS):
+        return _Document(text, valid, pos_text, pos_audio, noise.float().to(dev),
+                         None if tail is None else tail.float().to(dev))
+
+    def _inputs(self, doc: _Document, step: int, x: torch.Tensor) -> tuple[PackedLayout, list[torch.Tensor]]:
+        """Layout and graph inputs of `step` at audio state `x` `[2, A, 32]`."""
+        layout = step_layout(step, doc.text.shape[0], doc.n_tail, x.shape[1], doc.pos_text, doc.pos_audio,
+                             x.device)
+        rows = x if doc.tail is None else torch.cat([doc.tail, x], dim=1)  # [2, n_tail + A, 32]
+        return layout, [rows.reshape(-1, x.shape[2]), doc.text, layout.positions, doc.valid]
+
+    def _captured(self, doc: _Document) -> bool:
+        """Whether every step of this document has a graph (a miss would run eagerly, which needs `run`)."""
+        if self.graphs is None or not self.graphs.enabled:
+            return False
+        _, inputs = self._inputs(doc, 0, doc.noise)
+        sig = signature_of(inputs)
+        return all(GraphKey("teacher", sig, (step, doc.n_tail)) in self.graphs for step in range(STEPS))
+
+    def _steps(self, doc: _Document, cancel: CancelToken | None, publish: Callable[[int, torch.Tensor], None],
+               replay_only: bool) -> None:
+        """The 9 Euler steps; `publish(i, state)` after each milestone. `replay_only` never runs a step eagerly."""
+        x = doc.noise  # [2, A, 32]
+        n_tail, ch = doc.n_tail, x.shape[2]
+        for i in range(STEPS):
+            if cancel is not None:
                 cancel.check()
-                layout = step_layout(i, text.shape[0], n_tail, num, pos_text, pos_audio, dev)
-                doc = x if tail_rows is None else torch.cat([tail_rows, x], dim=1)  # [2, n_tail + A, 32]
-                fn = step_forward(self.model, layout)
-                if self.graphs is None:
-                    out = fn(doc.reshape(-1, ch), text, layout.positions, None)
-                else:
-                    inputs = [doc.reshape(-1, ch), text, layout.positions, valid]
-                    out = self.graphs.run(GraphKey.for_inputs("teacher", inputs, tag=(i, n_tail)), fn, inputs)
-                v = out.reshape(2, n_tail + num, ch)[:, n_tail:]  # [2, A, 32]
-                x = euler_step(x, v, TEACHER_SIGMAS[i], TEACHER_SIGMAS[i + 1])
-                if i + 1 in TEACHER_MILESTONES:
-                    states.append(x.clone())
-        return states
+            layout, inputs = self._inputs(doc, i, x)
+            fn = step_forward(self.model, layout)
+            if self.graphs is None:
+                out = fn(inputs[0], doc.text, layout.positions, None)
+            elif replay_only:
+                out = self.graphs.replay(GraphKey.for_inputs("teacher", inputs, tag=(i, n_tail)), inputs)
+            else:
+                out = self.graphs.run(GraphKey.for_inputs("teacher", inputs, tag=(i, n_tail)), fn, inputs)
+            v = out.reshape(2, n_tail + x.shape[1], ch)[:, n_tail:]  # [2, A, 32]
+            x = euler_step(x, v, TEACHER_SIGMAS[i], TEACHER_SIGMAS[i + 1])
+            if i + 1 in TEACHER_MILESTONES:
+                publish(TEACHER_MILESTONES.index(i + 1), x.clone())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

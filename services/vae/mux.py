@@ -247,6 +247,22 @@ def _check_encoders() -> None:
             "which bundles libx264 and FFmpeg's native aac")
 
 
+@dataclass(frozen=True)
+class EncodedVideo:
+    """H.264 samples of one chunk and the media time of the first."""
+
+    base: int
+    samples: list[_Sample]
+
+
+@dataclass(frozen=True)
+class EncodedAudio:
+    """AAC samples of one chunk and the media time of the first."""
+
+    base: int
+    samples: list[_Sample]
+
+
 class FragmentedMP4Muxer:
     """One session's H.264 + AAC fragmented-MP4 stream; `encode()` per chunk, `close()` at the end."""
 
@@ -334,16 +350,36 @@ class FragmentedMP4Muxer:
         """Encode one chunk; returns (init segment on the first call +) exactly this chunk's fragment."""
         # frames: [N, H, W, 3] uint8 RGB, or [N, H * 3/2, W] uint8 I420 planes (BT.601 limited range, as swscale
         # would convert the RGB); audio: [2, S] float32 in [-1, 1]
+        self._check_frames(frames)  # both checked before either encoder advances
+        self._check_audio(audio)
+        audio_part = self.encode_audio(audio)
+        return self.emit(self.encode_video(frames), audio_part)
+
+    def encode_audio(self, audio: np.ndarray) -> EncodedAudio:
+        """The AAC half of a chunk (`encode` = `emit(encode_video(...), encode_audio(...))`). The two halves touch
+        separate encoders, and PyAV releases the GIL while FFmpeg encodes, so they may run in two threads."""
+        # audio: [2, S] float32 in [-1, 1]
+        self._check_open()
+        self._check_audio(audio)
+        return EncodedAudio(*self._encode_audio(audio, final=False))
+
+    def encode_video(self, frames: np.ndarray) -> EncodedVideo:
+        """The H.264 half of a chunk: RGB `[N, H, W, 3]` or I420 planes `[N, H * 3/2, W]`, uint8."""
+        self._check_open()
+        self._check_frames(frames)
+        samples = self._encode_video(frames)
+        return EncodedVideo((self._frames_in - len(samples)) * self._video_ticks, samples)
+
+    def emit(self, video: EncodedVideo, audio: EncodedAudio) -> bytes:
+        """One chunk's fragment from its two halves (the init segment before the first)."""
+        self._check_open()
+        first = self._sequence == 0
+        out = self._emit(video.base, video.samples, audio.base, audio.samples)
+        return self._init + out if first else out
+
+    def _check_open(self) -> None:
         if self._closed:
             raise SequenceMismatch("encode() after close(): the muxer's session has ended")
-        self._check_frames(frames)
-        self._check_audio(audio)
-        first = self._sequence == 0
-        video = self._encode_video(frames)
-        audio_base, audio_samples = self._encode_audio(audio, final=False)
-        video_base = (self._frames_in - len(video)) * self._video_ticks
-        out = self._emit(video_base, video, audio_base, audio_samples)
-        return self._init + out if first else out
 
     def close(self) -> bytes:
         """Flush both encoders; returns the last fragment (b'' if nothing is left or already closed)."""

@@ -22,7 +22,7 @@ from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.gateway.config import GatewayConfig
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder, warm_up_video
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, on_device
-from services.vae.mux import FragmentedMP4Muxer
+from services.vae.mux import EncodedAudio, FragmentedMP4Muxer
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,9 @@ class DecodeSession:
     def phase(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> Chunk:
         """Decode one phase ([F, 24, h, w] video, [2, A, 32] audio latents) and mux it.
 
-        The audio decodes in the worker thread while the video decodes here: the audio decoder's many small kernels
-        are queued while the GPU runs the video's ViT, instead of after it.
+        The audio decodes and then AAC-encodes in the worker thread while the video decodes and H.264-encodes here:
+        the audio decoder's many small kernels are queued while the GPU runs the video's ViT, and the two encoders
+        run side by side on the host (FFmpeg runs without the GIL).
         """
         # video_latents: [F, 24, h, w]; the latent grid must match the canvas.
         expected = (self.height // self.video.decoder.spatial_ratio, self.width // self.video.decoder.spatial_ratio)
@@ -72,27 +73,29 @@ class DecodeSession:
             self.audio.decoder.validate(audio_latents)
         except InvalidLatents as exc:
             raise InvalidInput(str(exc)) from None
-        with self._lock:  # one phase at a time on the shared devices
+        with self._lock:  # one phase at a time on the shared devices and the muxer
             audio = self._audio_worker.submit(self._decode_audio, audio_latents)
             t0 = time.perf_counter()
             try:
                 frames = self.video.decode_for_mux(video_latents)  # uint8 I420 planes (GPU) or RGB (CPU)
+                video_seconds = time.perf_counter() - t0
+                encoded = self.mux.encode_video(frames.numpy())
             finally:
-                wait([audio])  # the audio decode never outlives the lock
-            video_seconds = time.perf_counter() - t0
-            samples, audio_seconds = audio.result()  # [2, S] float32
-        t1 = time.perf_counter()
-        data = self.mux.encode(frames.numpy(), samples.numpy())
+                wait([audio])  # the audio never outlives the lock
+            samples, audio_seconds, encoded_audio = audio.result()
+            data = self.mux.emit(encoded, encoded_audio)
+            mux_seconds = time.perf_counter() - t0 - video_seconds
         return Chunk(data=data, num_frames=frames.shape[0], num_audio_samples=samples.shape[1],
                      video_decode_seconds=video_seconds, audio_decode_seconds=audio_seconds,
-                     mux_seconds=time.perf_counter() - t1)
+                     mux_seconds=mux_seconds)
 
-    def _decode_audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """(samples, seconds) of the audio decode, on the audio decoder's device (runs in the worker thread)."""
+    def _decode_audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, float, EncodedAudio]:
+        """Worker thread: the samples [2, S] float32, the decode's seconds, and the phase's AAC."""
         started = time.perf_counter()
         with on_device(self.audio.decoder.device):
             samples = self.audio.decode(latents)
-        return samples, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        return samples, seconds, self.mux.encode_audio(samples.numpy())
 
     def close(self) -> Chunk:
         """Close the muxer: its last fragment holds the audio the AAC encoder still held (b'' when none)."""

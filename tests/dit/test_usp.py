@@ -30,8 +30,10 @@ def build_tiny(profile: Profile, device: torch.device) -> DiTRuntime:
     """The group's builder: the tiny preset with seed-0 random weights (identical on every rank)."""
     torch.set_num_threads(1)
     model = build_random(PRESETS[profile.model.preset], device, getattr(torch, profile.dit.dtype), seed=0)
-    return DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=TEXT_TOKENS,
-                                                      ulysses_degree=profile.dit.usp_degree))
+    runtime = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=TEXT_TOKENS,
+                                                         ulysses_degree=profile.dit.usp_degree))
+    runtime.teacher.overlap = profile.dit.teacher_overlap
+    return runtime
 
 
 def tiny_profile(devices: tuple[str, ...], dtype: str = "float32") -> Profile:

@@ -154,6 +154,24 @@ def test_bad_input_is_rejected_by_name(frames, audio, match):
     assert _types(good)[:2] == ["ftyp", "moov"]
 
 
+def test_halves_encoded_in_two_threads_give_the_same_bytes(session):
+    # The VAE encodes a phase's AAC in its audio thread while the H.264 is encoded in its own.
+    from concurrent.futures import ThreadPoolExecutor
+
+    muxer = FragmentedMP4Muxer(W, H, fps=FPS, sample_rate=SR)
+    rng = np.random.default_rng(0)
+    outputs, done = [], 0
+    with ThreadPoolExecutor(1) as audio_thread:
+        for n in CHUNKS:
+            frames, audio = _chunk(rng, done, n)
+            encoded_audio = audio_thread.submit(muxer.encode_audio, audio)
+            outputs.append(muxer.emit(muxer.encode_video(frames), encoded_audio.result()))
+            done += n
+    assert outputs == session["chunks"] and muxer.close() == session["trailer"]
+    with pytest.raises(SequenceMismatch):
+        muxer.encode_audio(np.zeros((2, 10), np.float32))
+
+
 def test_i420_frames_encode_like_the_rgb_they_come_from():
     # What the VAE hands over from a GPU: planes converted by torch. They match swscale's own rgb24 -> yuv420p within
     # rounding, so the stream decodes back to the same picture as from RGB.
