@@ -45,7 +45,7 @@ from services.dit.service import build_runtime
 from services.dit.teacher import STEPS as TEACHER_STEPS
 from services.encoder.model import TextEncoder
 from services.gateway.config import GatewayConfig
-from services.vae.incremental import warm_up_video
+from services.vae.incremental import audio_graph_lengths, warm_up_video
 from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
 from services.vae.service import DecodeSession
 
@@ -194,6 +194,8 @@ def vae_worker(opts, inbox, outbox) -> None:
         if opts.vae_compile:
             warm_up_video(decoder, opts.width, opts.height)
         audio = AudioDecoder(build_audio_vae(opts.preset).to(device).eval())
+        if opts.vae_graphs:
+            audio.capture_graphs(audio_graph_lengths(audio))
         lock, audio_worker, session = threading.Lock(), ThreadPoolExecutor(1, "vae-audio"), None
         outbox.put("ready")
         while (msg := inbox.get()) is not None:
@@ -357,7 +359,7 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
                  "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
                  f"VAE + mux in their own process on {opts.devices.split(',')[-1]} (tiles overlap >= "
                  f"{opts.tile_overlap} px, tiles shared with {opts.vae_tile_devices or 'no other device'}, "
-                 f"ViT blocks compiled: {opts.vae_compile}), "
+                 f"ViT blocks compiled: {opts.vae_compile}, audio decoder graphs: {opts.vae_graphs}), "
                  f"pipelined with a window of {opts.window} phases"),
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
@@ -433,7 +435,7 @@ def baseline(opts, device, model: DiT) -> dict:
 
 PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
                    "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "teacher_overlap", "tile_overlap",
-                   "vae_tile_devices", "vae_compile", "window")
+                   "vae_tile_devices", "vae_compile", "vae_graphs", "window")
 """The bench options `--profile` takes from a deployment profile."""
 
 
@@ -451,7 +453,7 @@ def profile_options(profile: Profile) -> dict:
                 attention=dit.attention, merge_lora=dit.merge_lora, teacher_sharded=dit.teacher_sharded,
                 teacher_overlap=dit.teacher_overlap,
                 tile_overlap=vae.tile_overlap_px, vae_tile_devices=",".join(vae.tile_devices),
-                vae_compile=vae.compile_blocks, window=dit.max_phases_ahead)
+                vae_compile=vae.compile_blocks, vae_graphs=vae.cuda_graphs, window=dit.max_phases_ahead)
 
 
 def main() -> None:
@@ -491,6 +493,8 @@ def main() -> None:
     parser.add_argument("--vae-compile", action="store_true",
                         help="torch.compile the video decoder's ViT blocks, warmed up before the session "
                              "(vae.compile_blocks)")
+    parser.add_argument("--vae-graphs", action="store_true",
+                        help="capture the audio decoder per phase size as CUDA graphs (vae.cuda_graphs)")
     parser.add_argument("--no-vae", action="store_true",
                         help="no decode or mux: a chunk counts as delivered when the DiT hands it over")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,

@@ -204,9 +204,14 @@ class VAEConfig:
     """torch.compile the video decoder's ViT blocks (CUDA devices only): a third less decode time on an H200, with
     frames within BF16 rounding of the eager decode instead of bitwise equal to it. Every phase shape of the
     allowed canvases is compiled at start-up (the warm-up), so nothing compiles while serving."""
+    cuda_graphs: bool = False
+    """Capture the audio decoder (a vocoder of many small kernels, decoded in the VAE's audio thread) as one CUDA
+    graph per phase size at start-up (CUDA only); the replay equals the eager decode bitwise."""
 
     def __post_init__(self):
         _check_dtype("vae.dtype", self.dtype)
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"vae.cuda_graphs is true but vae.device is {self.device!r}: graphs need CUDA")
         if not isinstance(self.compile_blocks, bool):
             raise ValueError(f"vae.compile_blocks={self.compile_blocks!r}: must be true or false")
         if self.compile_blocks and not all(d.startswith("cuda") for d in (self.device, *self.tile_devices)):

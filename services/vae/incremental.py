@@ -125,6 +125,18 @@ def warm_up_video(decoder: VideoDecoder, width: int, height: int) -> None:
         stream.decode_pixels(torch.zeros(num, *grid))  # [num, 24, h, w]
 
 
+AUDIO_PHASE_LATENTS = (65, 56, 57, 28, 29)
+"""A stream's audio latents per phase: the first phase (12 video latents), then 10- and 5-latent phases."""
+
+
+def audio_graph_lengths(decoder: AudioDecoder) -> list[int]:
+    """The latent lengths an `IncrementalAudioDecoder` hands its decoder: the first phase with its padding, then
+    every later phase size with the carried context in front."""
+    stream = IncrementalAudioDecoder(decoder)
+    first, *later = AUDIO_PHASE_LATENTS
+    return [first + stream.pad_latents] + [stream.context_latents + n + stream.pad_latents for n in later]
+
+
 class IncrementalAudioDecoder:
     """Decode one phase of stereo audio latents at a time with left context and right padding."""
 

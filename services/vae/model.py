@@ -27,6 +27,8 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.models.modeling_utils import get_parameter_dtype
 
+from services.common.cuda_graphs import CudaGraphBank, GraphKey
+
 VIDEO_LATENT_CHANNELS = 24
 AUDIO_LATENT_CHANNELS = 32
 AUDIO_CHANNELS = 2
@@ -293,6 +295,8 @@ class AudioDecoder:
         # mean/std: [1, C, 1] for the [B, C, A] diffusers layout.
         self._mean = torch.tensor(vae.config.latents_mean, **stats).view(1, -1, 1)
         self._std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1)
+        self.graphs: CudaGraphBank | None = None
+        """The decode captured per latent length (`capture_graphs`); None decodes eagerly."""
 
     @property
     def hop_length(self) -> int:
@@ -317,10 +321,29 @@ class AudioDecoder:
             raise InvalidLatents("audio latents must be finite floating-point values")
 
     @torch.inference_mode()
+    def capture_graphs(self, lengths: Sequence[int]) -> None:
+        """Capture the decode of each latent length as a CUDA graph (an incremental stream decodes a handful:
+        `incremental.audio_graph_lengths`); other lengths decode eagerly. The vocoder's ~thousand small kernels
+        per call are otherwise launched one by one from the VAE's audio thread."""
+        bank = CudaGraphBank(self.device)
+        for n in lengths:
+            z = torch.zeros(AUDIO_CHANNELS, self.vae.config.latent_channels, n, device=self.device)  # [2, C, n]
+            bank.capture(GraphKey.for_inputs("audio_vae", [z]), self._waveform, [z])
+        bank.seal()
+        self.graphs = bank
+
+    def _waveform(self, z: torch.Tensor) -> torch.Tensor:
+        # z: [2, C, A] denormalised -> wave [2, 1, A * hop]
+        return self.vae.decode(z).sample
+
+    @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode `[2, A, 32]` to float32 `[2, A * hop]` on the CPU; each channel is decoded as mono."""
         self.validate(latents)
         # z: [2, C, A], one stereo channel per batch row, denormalised per latent channel.
         z = latents.to(self.device, torch.float32).transpose(1, 2) * self._std + self._mean
-        wave = self.vae.decode(z).sample  # wave: [2, 1, A * hop]
+        if self.graphs is None:
+            wave = self._waveform(z)  # wave: [2, 1, A * hop]
+        else:  # a replay's output buffer is the graph's own: copied out by .cpu() before the next replay
+            wave = self.graphs.run(GraphKey.for_inputs("audio_vae", [z]), self._waveform, [z])
         return wave[:, 0].float().cpu()

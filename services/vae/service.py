@@ -20,7 +20,8 @@ from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.gateway.config import GatewayConfig
-from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder, warm_up_video
+from services.vae.incremental import (IncrementalAudioDecoder, IncrementalVideoDecoder, audio_graph_lengths,
+                                      warm_up_video)
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, on_device
 from services.vae.mux import EncodedAudio, FragmentedMP4Muxer
 
@@ -124,6 +125,8 @@ class VAEService(Stage):
         self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype), tile_overlap=cfg.tile_overlap_px,
                                   tile_replicas=replicas, compile_blocks=cfg.compile_blocks)
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
+        if cfg.cuda_graphs:
+            self.audio.capture_graphs(audio_graph_lengths(self.audio))
         log.info("VAE loaded on %s (%s), video tiles shared with %s", cfg.device, cfg.dtype, list(cfg.tile_devices))
 
     def close(self) -> None:
