@@ -1,7 +1,8 @@
 """CUDA IPC between the real stage processes: the tiny preset's encoder and DiT on `cuda:0`, the VAE on `cuda:0`
 or, as in the usp2 profile, on `cuda:1` (it then opens the DiT's pool on the other GPU; skipped with one GPU). The
-`cuda:1` case also takes the usp2 profile's other serving options: the LoRA merged, cuDNN's attention first, the
-video decoder's ViT blocks compiled and warmed up, and its tiles shared with `cuda:0`.
+`cuda:1` case also takes the usp2 profile's other serving options: cuDNN's attention first, the text encoder and
+the audio teacher as CUDA graphs with the teacher replayed beside the students, the video decoder's ViT blocks
+compiled and warmed up with its tiles shared with `cuda:0`, and the audio decoder as CUDA graphs.
 
 One module-scoped fixture brings the services up with `services.up.bring_up` on a temporary copy of
 `configs/tiny_cpu.yaml` moved to the GPU (own free ports, own checkpoint directory). The test process drives
@@ -63,8 +64,9 @@ def stages(request, tmp_path_factory) -> Stages:
     raw["dit"].update(devices=["cuda:0"], metrics_port=free_port("127.0.0.1"), cuda_ipc=True)
     raw["vae"].update(device=vae_device, metrics_port=free_port("127.0.0.1"))
     if vae_device != "cuda:0":  # the rest of the usp2 profile's serving options as well
-        raw["dit"].update(merge_lora=True, attention="cudnn")
-        raw["vae"].update(compile_blocks=True, tile_devices=["cuda:0"])
+        raw["encoder"].update(cuda_graphs=True, prompt_buckets=[128, 256])
+        raw["dit"].update(attention="cudnn", cuda_graphs=True, prompt_buckets=[128, 256], teacher_overlap=True)
+        raw["vae"].update(compile_blocks=True, tile_devices=["cuda:0"], cuda_graphs=True)
     raw["gateway"]["port"] = free_port("127.0.0.1")
     profile = tmp / "profile.yaml"
     profile.write_text(yaml.safe_dump(raw))
