@@ -149,16 +149,17 @@ class CudaGraphBank:
         entry = _Entry(fn, static)
         if not self.enabled:
             entry.static_outputs = fn(*static)
-        else:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(self.warmup):
-                    fn(*static)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
-                entry.static_outputs = fn(*static)
+        else:  # on the bank's device whatever the caller's current one (the VAE's audio decoder is on cuda:1)
+            with torch.cuda.device(self.device):
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side), torch.no_grad():
+                    for _ in range(self.warmup):
+                        fn(*static)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+                    entry.static_outputs = fn(*static)
             entry.graph = graph
         self._entries[key] = entry
         self.stats.captured += 1
@@ -205,9 +206,10 @@ class CudaGraphBank:
         if entry.graph is None:  # CPU bank: same bookkeeping, eager execution
             with torch.no_grad():
                 return entry.fn(*inputs)
-        for dst, src in zip(entry.static_inputs, inputs):
-            if dst.data_ptr() != src.data_ptr():
-                dst.copy_(src)
-        entry.graph.replay()
+        with torch.cuda.device(self.device):
+            for dst, src in zip(entry.static_inputs, inputs):
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+            entry.graph.replay()
         self.stats.replays += 1
         return entry.static_outputs

@@ -101,3 +101,23 @@ def test_replay_equals_eager_bitwise_and_outputs_are_static():
     del got
     torch.cuda.empty_cache()
     assert len(bank) == 0 and torch.cuda.memory_reserved() < before  # the pool's memory came back
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_bank_captures_and_replays_on_its_own_device_whatever_the_current_one():
+    # The VAE service captures its audio decoder on cuda:1 from a thread whose current device is cuda:0.
+    torch.cuda.set_device(0)
+    w = torch.randn(1, 1, 7, device="cuda:1")
+
+    def fn(x):  # a replicate pad allocates on cuda:1 during the capture
+        return torch.nn.functional.conv1d(torch.nn.functional.pad(x, (3, 3), mode="replicate"), w)
+
+    bank = CudaGraphBank("cuda:1")
+    x = torch.randn(2, 1, 100, device="cuda:1")
+    key = GraphKey.for_inputs("audio_vae", [x])
+    bank.capture(key, fn, [x])
+    bank.seal()
+    y = torch.randn(2, 1, 100, device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    assert torch.equal(bank.replay(key, [y]), fn(y)) and bank.stats.replays == 1
