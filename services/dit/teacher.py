@@ -204,12 +204,8 @@ class AudioTeacher:
             started = time.perf_counter()
             if self._stream is not None:  # graph replays on the teacher's stream happened before this one
                 torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-            try:
-                states = self.run(text, request, timeline, noise, tail, cancel)
-                _sync(states[-1].device)
-            except BaseException as exc:
-                run._fail(exc)
-                raise
+            states = self.run(text, request, timeline, noise, tail, cancel)
+            _sync(states[-1].device)
             for i, state in enumerate(states):
                 run._publish(i, state, None)
             run._finish(time.perf_counter() - started)
