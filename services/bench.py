@@ -366,7 +366,8 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
              f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
              f"first chunk, cold: {first_chunk_parts(records[0], ttfc, opts.teacher_overlap)}",
              f"first chunk, warm: {first_chunk_parts(warm_first, warm_ttfc, opts.teacher_overlap)}",
-             "(video_decode: the phase's decode, its audio decoded beside it; waiting: the rest)",
+             "(video_decode: the phase's video decode; mux: its H.264, the wait for the audio thread (decode and "
+             "AAC), the fragment; waiting: the rest)",
              "delivered = time between the last chunk of the request before and this request's last chunk; "
              "RTF = delivered / media seconds", "",
              "req |   DiT s | teacher | student | commit | transport | vdecode | adecode |  mux | delivered s | RTF "
