@@ -248,16 +248,8 @@ def _check_encoders() -> None:
 
 
 @dataclass(frozen=True)
-class EncodedVideo:
-    """H.264 samples of one chunk and the media time of the first."""
-
-    base: int
-    samples: list[_Sample]
-
-
-@dataclass(frozen=True)
-class EncodedAudio:
-    """AAC samples of one chunk and the media time of the first."""
+class EncodedTrack:
+    """One track's encoded samples of a chunk (H.264 or AAC) and the media time of the first."""
 
     base: int
     samples: list[_Sample]
@@ -350,32 +342,35 @@ class FragmentedMP4Muxer:
         """Encode one chunk; returns (init segment on the first call +) exactly this chunk's fragment."""
         # frames: [N, H, W, 3] uint8 RGB, or [N, H * 3/2, W] uint8 I420 planes (BT.601 limited range, as swscale
         # would convert the RGB); audio: [2, S] float32 in [-1, 1]
+        self._check_open()
         self._check_frames(frames)  # both checked before either encoder advances
         self._check_audio(audio)
-        audio_part = self.encode_audio(audio)
-        return self.emit(self.encode_video(frames), audio_part)
+        return self.emit(self._video_track(frames), EncodedTrack(*self._encode_audio(audio, final=False)))
 
-    def encode_audio(self, audio: np.ndarray) -> EncodedAudio:
+    def encode_audio(self, audio: np.ndarray) -> EncodedTrack:
         """The AAC half of a chunk (`encode` = `emit(encode_video(...), encode_audio(...))`). The two halves touch
         separate encoders, and PyAV releases the GIL while FFmpeg encodes, so they may run in two threads."""
         # audio: [2, S] float32 in [-1, 1]
         self._check_open()
         self._check_audio(audio)
-        return EncodedAudio(*self._encode_audio(audio, final=False))
+        return EncodedTrack(*self._encode_audio(audio, final=False))
 
-    def encode_video(self, frames: np.ndarray) -> EncodedVideo:
+    def encode_video(self, frames: np.ndarray) -> EncodedTrack:
         """The H.264 half of a chunk: RGB `[N, H, W, 3]` or I420 planes `[N, H * 3/2, W]`, uint8."""
         self._check_open()
         self._check_frames(frames)
-        samples = self._encode_video(frames)
-        return EncodedVideo((self._frames_in - len(samples)) * self._video_ticks, samples)
+        return self._video_track(frames)
 
-    def emit(self, video: EncodedVideo, audio: EncodedAudio) -> bytes:
+    def emit(self, video: EncodedTrack, audio: EncodedTrack) -> bytes:
         """One chunk's fragment from its two halves (the init segment before the first)."""
         self._check_open()
         first = self._sequence == 0
         out = self._emit(video.base, video.samples, audio.base, audio.samples)
         return self._init + out if first else out
+
+    def _video_track(self, frames: np.ndarray) -> EncodedTrack:
+        samples = self._encode_video(frames)
+        return EncodedTrack((self._frames_in - len(samples)) * self._video_ticks, samples)
 
     def _check_open(self) -> None:
         if self._closed:

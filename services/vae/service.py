@@ -23,7 +23,7 @@ from services.gateway.config import GatewayConfig
 from services.vae.incremental import (IncrementalAudioDecoder, IncrementalVideoDecoder, audio_graph_lengths,
                                       warm_up_video)
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, on_device
-from services.vae.mux import EncodedAudio, FragmentedMP4Muxer
+from services.vae.mux import EncodedTrack, FragmentedMP4Muxer
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class DecodeSession:
                      video_decode_seconds=video_seconds, audio_decode_seconds=audio_seconds,
                      mux_seconds=mux_seconds)
 
-    def _decode_audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, float, EncodedAudio]:
+    def _decode_audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, float, EncodedTrack]:
         """Worker thread: the samples [2, S] float32, the decode's seconds, and the phase's AAC."""
         started = time.perf_counter()
         with on_device(self.audio.decoder.device):
