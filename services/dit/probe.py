@@ -2,9 +2,9 @@
 
 `phase_inputs` builds the same seeded document on every rank and device (text, audio and the video rows of
 `latents` latents at a canvas, a student step's timesteps, no history); `time_forward` runs it through
-`FullAttention` and returns the median time of a few runs after one warm-up (`time_call`: CUDA events on a GPU). Under Ulysses
-every rank calls it with the same inputs (the group sends a `ProbeForward` record), so rank 0's time is the
-group's. Knows nothing about sessions, the KV cache or diffusers.
+`FullAttention` and returns the median time of a few runs after one warm-up (`time_call`: CUDA events on a GPU).
+Under Ulysses every rank calls it with the same inputs (the group sends a `ProbeForward` record), so rank 0's time
+is the group's. Knows nothing about sessions, the KV cache or diffusers.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from services.dit.geometry import SIDE_MULTIPLE, Canvas
 from services.dit.layout import PackedLayout, pack_layout
 from services.dit.model import DiT, FullAttention
 from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
@@ -27,11 +28,11 @@ SEED = 3
 def phase_inputs(model: DiT, height: int, width: int, latents: int = 10
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PackedLayout]:
     """(video [Tv, 96], audio [2 * 57, 32], text [400, text_dim], layout) of one phase without history."""
-    if height % 32 or width % 32 or height <= 0 or width <= 0:
-        raise ValueError(f"canvas {width}x{height}: both sides must be positive multiples of 32")
+    if height % SIDE_MULTIPLE or width % SIDE_MULTIPLE or height <= 0 or width <= 0:
+        raise ValueError(f"canvas {width}x{height}: both sides must be positive multiples of {SIDE_MULTIPLE}")
     a = model.args
     dev = model.condition_proj.weight.device
-    tv = latents * (height // 32) * (width // 32)
+    tv = latents * Canvas(width, height).rows_per_frame
     gen = torch.Generator().manual_seed(SEED)  # on the CPU: the same draws on every device
 
     def rand(*shape: int) -> torch.Tensor:
