@@ -17,7 +17,7 @@ from services.dit.launch import free_port
 from services.dit.model import build_random
 from services.dit.teacher import STEPS, AudioTeacher
 from tests.dit.test_teacher_graphs import ARGS, BUCKETS, run
-from tests.dit.test_usp import phases_in_thread, run_ranks
+from tests.dit.test_usp import nccl_ulysses_model, phases_in_thread, run_ranks
 
 REQUESTS = ((0, 5), (1, 13), (2, 16))  # (request index, prompt length): no tail, then a tail; three buckets' worth
 
@@ -54,12 +54,7 @@ def test_sharded_teacher_equals_one_rank(tmp_path):
 
 
 def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
-        model = build_random(ARGS, f"cuda:{rank}", torch.bfloat16, seed=0)
-        sp.install_ulysses(model, None, rank, world)
+    with nccl_ulysses_model(rank, world, port) as model:
         graphed = AudioTeacher(model, None)
         graphed.capture_graphs(BUCKETS)
         eager = AudioTeacher(model, None)
@@ -73,8 +68,6 @@ def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save({"graphed": got, "eager": ref, "misses": stats.misses, "replays": stats.replays},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         graphed.release_graphs()  # before leaving the group: the graphs hold its communicator
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multi_gpu

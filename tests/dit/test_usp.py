@@ -6,6 +6,8 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from services.dit.api import HoldConfig, PhaseOutput, PromptUpdate, RuntimeConfi
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.launch import GroupOptions, free_port, rank_device_env
 from services.dit.layout import pack_layout
-from services.dit.model import PRESETS, FullAttention, build_random
+from services.dit.model import PRESETS, DiT, FullAttention, build_random
 from services.dit.runtime import DiTRuntime
 from services.dit.sp import install_ulysses, out_to_sequence, qkv_to_heads
 
@@ -292,19 +294,27 @@ def test_rank_devices_map_through_the_parents_visible_list():
         GroupOptions(timeout_s=4, heartbeat_s=2)
 
 
-def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+@contextmanager
+def nccl_ulysses_model(rank: int, world: int, port: int) -> Iterator[DiT]:
+    """In a spawned rank: join an NCCL group on cuda:`rank` and yield the tiny seed-0 DiT (BF16) sharded over it;
+    the group is left on the way out."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     try:
         model = build_random(ARGS, f"cuda:{rank}", torch.bfloat16, seed=0)
         install_ulysses(model, None, rank, world)
+        yield model
+    finally:
+        dist.destroy_process_group()
+
+
+def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    with nccl_ulysses_model(rank, world, port) as model:
         video, audio, text, layout = forward_inputs(f"cuda:{rank}")
         with torch.no_grad():
             out = model(video, audio, text, layout, FullAttention(layout))
         torch.save({"video": out[0].cpu(), "audio": out[1].cpu()}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multi_gpu
