@@ -84,12 +84,14 @@ class FlopCounter:
             return  # a bucket-padded teacher step: `add_teacher` counts its real rows
         cache = getattr(attention, "cache", None)
         self.add(layout.text_len, layout.num_real, cache.live if cache is not None else 0,
-                 isinstance(attention, FullAttention))
+                 isinstance(attention, FullAttention), getattr(attention, "text_keys", layout.text_len))
 
-    def add(self, tt: int, real: int, history: int, full: bool) -> None:
-        """Count one forward of `real` rows, `tt` of them text, over `history` cached rows."""
+    def add(self, tt: int, real: int, history: int, full: bool, text_keys: int | None = None) -> None:
+        """Count one forward of `real` rows, `tt` of them text, over `history` cached rows; the media rows attend
+        to `text_keys` text rows (default `tt`; more when the text's K/V were recorded by an earlier forward)."""
         a, media = self.args, real - tt
-        pairs = real * real if full else tt * tt + media * (tt + history + media)
+        keys = tt if text_keys is None else text_keys
+        pairs = real * real if full else tt * tt + media * (keys + history + media)
         self.linear += self.per_row_linear() * (a.num_layers * real + a.refiner_layers * tt)
         self.attention += 4.0 * a.head_dim * a.num_heads * (a.num_layers * pairs + a.refiner_layers * tt * tt)
 
@@ -155,7 +157,7 @@ def build(opts):
                       canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache,
                       merge_lora=opts.merge_lora, attention=opts.attention, cuda_graphs=opts.cuda_graphs,
                       teacher_sharded=opts.teacher_sharded, teacher_overlap=opts.teacher_overlap,
-                      prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))))
+                      reuse_text_kv=opts.reuse_text_kv, prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))))
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
         else DiTGroup.start(profile, build_runtime)
     encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,
@@ -354,6 +356,7 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
              f"adaln_cache={opts.adaln_cache}, merge_lora={opts.merge_lora}, cuda_graphs={opts.cuda_graphs}, "
              f"teacher_sharded={opts.teacher_sharded}, teacher_overlap={opts.teacher_overlap}, "
+             f"reuse_text_kv={opts.reuse_text_kv}, "
              f"attention={opts.attention}, "
              f"GPUs={gpus}; " + (
                  "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
@@ -435,8 +438,8 @@ def baseline(opts, device, model: DiT) -> dict:
 
 
 PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
-                   "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "teacher_overlap", "tile_overlap",
-                   "vae_tile_devices", "vae_compile", "vae_graphs", "window")
+                   "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "teacher_overlap", "reuse_text_kv",
+                   "tile_overlap", "vae_tile_devices", "vae_compile", "vae_graphs", "window")
 """The bench options `--profile` takes from a deployment profile."""
 
 
@@ -452,7 +455,7 @@ def profile_options(profile: Profile) -> dict:
                 max_tokens=profile.encoder.max_tokens, fp8=dit.fp8, adaln_cache=dit.adaln_cache,
                 cuda_graphs=dit.cuda_graphs, prompt_buckets=",".join(map(str, dit.prompt_buckets)),
                 attention=dit.attention, merge_lora=dit.merge_lora, teacher_sharded=dit.teacher_sharded,
-                teacher_overlap=dit.teacher_overlap,
+                teacher_overlap=dit.teacher_overlap, reuse_text_kv=dit.reuse_text_kv,
                 tile_overlap=vae.tile_overlap_px, vae_tile_devices=",".join(vae.tile_devices),
                 vae_compile=vae.compile_blocks, vae_graphs=vae.cuda_graphs, window=dit.max_phases_ahead)
 
@@ -486,6 +489,9 @@ def main() -> None:
     parser.add_argument("--teacher-overlap", action="store_true",
                         help="graphed teacher steps replayed beside the commit and the first student step "
                              "(dit.teacher_overlap)")
+    parser.add_argument("--no-reuse-text-kv", dest="reuse_text_kv", action="store_false",
+                        help="run the text rows in every forward instead of once per request and timestep "
+                             "(dit.reuse_text_kv: false)")
     parser.add_argument("--tile-overlap", type=int, default=VAEConfig().tile_overlap_px,
                         help="minimum overlap of the video decode tiles in px (vae.tile_overlap_px)")
     parser.add_argument("--vae-tile-devices", default="",

@@ -52,6 +52,9 @@ class RuntimeConfig:
     """Sequence-parallel ranks; the KV cache keeps num_heads / ulysses_degree heads per rank."""
     audio_reset_requests: int = 12
     """Drop all cached audio history every this many requests."""
+    reuse_text_kv: bool = True
+    """Compute a request's text rows once per text timestep and reuse their K/V in its later phases (they attend
+    to the text only, so their K/V do not depend on the phase); False runs them in every forward."""
 
     def __post_init__(self) -> None:
         if not self.canvases or any(not isinstance(c, int) or c <= 0 or c % 32 for c in self.canvases):
@@ -60,6 +63,8 @@ class RuntimeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
+        if not isinstance(self.reuse_text_kv, bool):
+            raise ValueError(f"reuse_text_kv={self.reuse_text_kv!r} must be true or false")
 
     @classmethod
     def for_preset(cls, preset: str, **overrides) -> "RuntimeConfig":

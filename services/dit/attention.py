@@ -4,7 +4,11 @@ Text rows attend to the current text only. Media rows (audio-L, audio-R, video) 
 [current text | cached clean history | current media], bidirectionally. The current media and text K/V are
 written into the cache's work area right after the history, so attention runs over one contiguous view, and in
 commit mode the media rows are staged for the open transaction without a copy. Pad rows produce zeros.
-Knows nothing about weights, sampling or retention policy.
+
+Since text rows see only the text, their K/V at every layer depend on the prompt, its positions and the text
+timestep alone, not on the phase: a forward can `record` them (`recorded`: `[L, 2, Tt, H, D]`) and a later
+forward of the same request and timestep run without text rows, taking the text K/V from that record
+(`text_kv`). Knows nothing about weights, sampling or retention policy.
 """
 
 from __future__ import annotations
@@ -19,15 +23,31 @@ from services.dit.model import sdpa_rows
 class StreamingAttention:
     """`AttentionPattern` for one streaming forward; `commit=True` stages clean media K/V of every layer."""
 
-    def __init__(self, layout: PackedLayout, cache: CleanAVKVCache, commit: bool = False):
+    def __init__(self, layout: PackedLayout, cache: CleanAVKVCache, commit: bool = False,
+                 text_kv: torch.Tensor | None = None, record: bool = False):
         tt, nm = layout.text_len, layout.num_media  # rows: [text | audio | video | pad] (a PackedLayout invariant)
         if layout.text_valid is not None:
             raise ValueError("StreamingAttention takes the prompt's exact rows; bucket-padded text (text_valid) is "
                              "only supported by FullAttention (the audio teacher's graphs)")
         if commit and not cache.in_transaction:
             raise ValueError("commit-mode attention needs an open KV transaction (cache.begin)")
+        if text_kv is not None:
+            want = (cache.num_layers, 2, text_kv.shape[2], cache.local_heads, cache.head_dim)
+            if tt or record or tuple(text_kv.shape) != want:
+                raise ValueError(f"text_kv of shape {tuple(text_kv.shape)} with {tt} text rows in the layout: "
+                                 f"recorded text K/V {want} replace the text rows, so the layout must have none")
+        if record and not tt:
+            raise ValueError("record=True needs text rows in the layout")
         self.text_len, self.media_len, self.seq_len = tt, nm, layout.seq_len
         self.cache, self.commit = cache, commit
+        self.text_kv = text_kv  # [L, 2, Tt, H, D] recorded by an earlier forward, or None
+        self.recorded: torch.Tensor | None = None  # [L, 2, Tt, H, D] this forward's text K/V when recording
+        self._record = record
+
+    @property
+    def text_keys(self) -> int:
+        """Text rows the media rows attend to: the layout's own, or the recorded ones."""
+        return self.text_len if self.text_kv is None else self.text_kv.shape[2]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [S, H, D] (global row order, local heads)
@@ -35,14 +55,25 @@ class StreamingAttention:
         if s != self.seq_len:
             raise ValueError(f"StreamingAttention built for {self.seq_len} rows got {s}")
         hist = self.cache.live
-        k_all, v_all = self.cache.work(layer, nm, tt)  # [hist + nm + tt, H, D]
+        k_all, v_all = self.cache.work(layer, nm, self.text_keys)  # [hist + nm + text keys, H, D]
         k_all[hist:hist + nm].copy_(k[tt:tt + nm])
         v_all[hist:hist + nm].copy_(v[tt:tt + nm])
-        k_all[hist + nm:].copy_(k[:tt])
-        v_all[hist + nm:].copy_(v[:tt])
+        if self.text_kv is None:
+            k_all[hist + nm:].copy_(k[:tt])
+            v_all[hist + nm:].copy_(v[:tt])
+        else:
+            k_all[hist + nm:].copy_(self.text_kv[layer, 0])
+            v_all[hist + nm:].copy_(self.text_kv[layer, 1])
+        if self._record:
+            if self.recorded is None:
+                self.recorded = k.new_empty((self.cache.num_layers, 2, *k[:tt].shape))
+            self.recorded[layer, 0].copy_(k[:tt])
+            self.recorded[layer, 1].copy_(v[:tt])
         if self.commit:
             self.cache.stage(layer, k_all[hist:hist + nm], v_all[hist:hist + nm])
-        parts = [sdpa_rows(q[:tt], k[:tt], v[:tt]), sdpa_rows(q[tt:tt + nm], k_all, v_all)]
+        parts = [sdpa_rows(q[tt:tt + nm], k_all, v_all)]
+        if tt:
+            parts.insert(0, sdpa_rows(q[:tt], k[:tt], v[:tt]))
         if s > tt + nm:
             parts.append(torch.zeros_like(q[tt + nm:]))
         return torch.cat(parts, dim=0)

@@ -411,12 +411,14 @@ class DiT(nn.Module):
         # video: [Tv, 96], audio: [Ta, 32], text: [Tt, text_dim]
         self._check_inputs(video, audio, text, layout)
         dt, dev, c = self.dtype, self.condition_proj.weight.device, self.args.hidden_size
-        # 1. Input projections; text goes through the refiner (full attention over the real text rows only).
+        # 1. Input projections; text goes through the refiner (full attention over the real text rows only). A
+        # layout may have no text rows: the attention pattern then brings the text's K/V recorded earlier.
         v_rows = self.video_patch_proj(video.to(dev, self.video_patch_proj.weight.dtype)).to(dt)
         a_rows = self.audio_patch_proj(audio.to(dev, self.audio_patch_proj.weight.dtype)).to(dt)
-        t_rows = self.token_refiner(self.condition_proj(text.to(dev, dt)), layout.text_valid)
         x = torch.zeros(layout.seq_len, c, device=dev, dtype=dt)  # [S, C]
-        x.index_copy_(0, layout.text_index.to(dev), t_rows)
+        if layout.text_len:
+            t_rows = self.token_refiner(self.condition_proj(text.to(dev, dt)), layout.text_valid)
+            x.index_copy_(0, layout.text_index.to(dev), t_rows)
         x.index_copy_(0, layout.audio_index.to(dev), a_rows)
         x.index_copy_(0, layout.video_index.to(dev), v_rows)
         # 2. AdaLN tables, per-row table indices and RoPE.

@@ -9,8 +9,10 @@ when it is needed), renormalise the clean video to the first phase's per-channel
 then one clean-commit forward at sigma = 0 without heads that stages K/V of every layer and commits them as one
 transaction (rollback on any failure). The commit runs at the start of the next phase (before its students, which
 read that K/V): a phase's latents never wait for their own commit, and a failed commit is retried before the
-students. Cancellation is checked between forwards and releases the session's KV at once. Knows nothing about
-transport, encoding or decoding.
+students. A request's text rows are computed once per text timestep (the 3 student steps and the commit): the
+first forward at that timestep records their K/V of every layer, the same step of the request's later phases runs
+on its media rows alone (`RuntimeConfig.reuse_text_kv`). Cancellation is checked between forwards and releases the
+session's KV at once. Knows nothing about transport, encoding or decoding.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class _RequestState:
     video_noise: torch.Tensor  # [F, C, h, w]
     audio_noise: torch.Tensor  # [2, A, 32]
     teacher: TeacherRun  # states 3/6/9, [2, A, 32]
+    text_kv: dict[float, torch.Tensor]
+    """Text timestep -> the text rows' K/V of every layer `[L, 2, Tt, H_local, D]`, recorded by the request's first
+    forward at that timestep (`StreamingAttention`)."""
 
 
 class DiTRuntime:
@@ -218,7 +223,7 @@ class StreamingSession:
         text = rp.prompt.embedding.to(self.device, model.dtype)
         teacher = self.runtime.teacher.start(text, plan, self.timeline, audio, self._tail, self.cancel_token)
         self._boundary = None
-        return _RequestState(plan, rp, text, video, audio, teacher)
+        return _RequestState(plan, rp, text, video, audio, teacher, {})
 
     def _phase(self) -> PhaseOutput:
         t_start = time.perf_counter()
@@ -252,6 +257,8 @@ class StreamingSession:
         last = self.phase_index == len(req.plan.phases) - 1
         if last:
             self._tail = req.teacher.state(-1)[:, -TEACHER_TAIL_LATENTS:].clone()
+            # only the pending commit (sigma = 0) still reads this request's text K/V
+            req.text_kv = {t: kv for t, kv in req.text_kv.items() if t == model_t(0.0)}
         timings = PhaseTimings(hold_s=req.prompt.hold_seconds if first_phase else 0.0,
                                teacher_s=req.teacher.seconds if first_phase else 0.0, student_s=t1 - t0,
                                commit_s=commit_s, total_s=time.perf_counter() - t_start)
@@ -270,26 +277,41 @@ class StreamingSession:
             self.phase_index += 1
         return out
 
-    def _layout(self, req: _RequestState, ph: PhasePlan, sigma_v: float, sigma_a: float):
-        return pack_layout(text_len=req.text.shape[0], audio_len_per_channel=ph.num_audio_latents,
-                           video_rows=ph.num_latents * self.canvas.rows_per_frame,
-                           positions_text=self.timeline.text(ph.request_index, req.text.shape[0]),
-                           positions_audio=self.timeline.audio(ph.audio_start, ph.num_audio_latents),
-                           positions_video=self.timeline.video(ph), video_t=model_t(sigma_v),
-                           audio_t=model_t(sigma_a)).to(self.device)
+    def _forward(self, req: _RequestState, ph: PhasePlan, xv: torch.Tensor, xa: torch.Tensor, sigma_v: float,
+                 sigma_a: float, commit: bool = False) -> torch.Tensor | None:
+        """One student (or, with `commit`, clean-commit) forward of the phase; returns the video velocity [Tv, 96].
+
+        The text rows run only in the request's first forward at this text timestep (the video's), which records
+        their K/V; later forwards at that timestep take them from the record.
+        """
+        text_t = model_t(sigma_v)  # text rows take the video timestep
+        reuse = self.runtime.config.reuse_text_kv
+        text_kv = req.text_kv.get(text_t) if reuse else None
+        text = req.text if text_kv is None else req.text[:0]  # [Tt or 0, text_dim]
+        layout = pack_layout(text_len=text.shape[0], audio_len_per_channel=ph.num_audio_latents,
+                             video_rows=ph.num_latents * self.canvas.rows_per_frame,
+                             positions_text=self.timeline.text(ph.request_index, text.shape[0]),
+                             positions_audio=self.timeline.audio(ph.audio_start, ph.num_audio_latents),
+                             positions_video=self.timeline.video(ph), video_t=text_t,
+                             audio_t=model_t(sigma_a)).to(self.device)
+        attention = StreamingAttention(layout, self.kv, commit=commit, text_kv=text_kv,
+                                       record=reuse and text_kv is None)
+        with torch.no_grad():
+            out = self.runtime.model(xv, xa, text, layout, attention, heads=not commit)
+        if attention.recorded is not None:  # only a forward that completed records
+            req.text_kv[text_t] = attention.recorded
+        return None if commit else out[0]
 
     def _student(self, req: _RequestState, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Three student forwards; returns clean video rows [Tv, 96] and the teacher's clean audio [2A, 32]."""
-        model, ch = self.runtime.model, self.runtime.model.args.audio_channels
+        ch = self.runtime.model.args.audio_channels
         lat = req.video_noise[ph.latent_offset:ph.latent_offset + ph.num_latents]
         xv = patchify(lat).to(self.device)  # [Tv, 96]
         a0, a1 = ph.audio_offset, ph.audio_offset + ph.num_audio_latents
         xa = req.audio_noise[:, a0:a1].reshape(-1, ch).to(self.device)  # [2A, 32], L rows then R rows
         for s in range(STUDENT_STEPS):
             self._check()
-            layout = self._layout(req, ph, VIDEO_SIGMAS[s], AUDIO_SIGMAS[s])
-            with torch.no_grad():
-                vv, _ = model(xv, xa, req.text, layout, StreamingAttention(layout, self.kv))
+            vv = self._forward(req, ph, xv, xa, VIDEO_SIGMAS[s], AUDIO_SIGMAS[s])
             xv = euler_step(xv, vv, VIDEO_SIGMAS[s], VIDEO_SIGMAS[s + 1])
             xa = req.teacher.state(s)[:, a0:a1].reshape(-1, ch)  # the teacher's milestone replaces the student's
         return xv, xa
@@ -319,12 +341,9 @@ class StreamingSession:
     def _commit(self, req: _RequestState, ph: PhasePlan, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> None:
         """Clean-commit forward at sigma = 0 without heads; all layers' media K/V commit as one transaction."""
         self._check()
-        layout = self._layout(req, ph, 0.0, 0.0)
         self.kv.begin(audio_rows.shape[0], video_rows.shape[0])
         try:
-            with torch.no_grad():
-                self.runtime.model(video_rows, audio_rows, req.text, layout,
-                                   StreamingAttention(layout, self.kv, commit=True), heads=False)
+            self._forward(req, ph, video_rows, audio_rows, 0.0, 0.0, commit=True)
             self.kv.commit()
         except BaseException:
             if self.kv is not None:
