@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -396,6 +397,12 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
         span = steady[-1]["delivered"] - records[PHASES_PER_REQUEST - 1]["delivered"]
         lines.append(f"steady state (requests 1..{opts.requests - 1}): {span:.2f} s for {media:.2f} s of media, "
                      f"RTF {span / media:.3f}")
+        for p in range(PHASES_PER_REQUEST):  # where a steady request's time goes, phase by phase
+            rs = [r for r in steady if r["phase"] == p]
+            mean = {s: statistics.mean(r[s] for r in rs) for s in ("dit", "student", "commit", "video_decode")}
+            lines.append(f"  phase {p} ({rs[0]['frames']} frames), mean: DiT {mean['dit']:.3f} s (students "
+                         f"{mean['student']:.3f}, commit before them {mean['commit']:.3f}), video decode "
+                         f"{mean['video_decode']:.3f} s")
     if torch.cuda.is_available():
         lines.append(f"peak GPU memory of this process: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
                      f"allocated, {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
