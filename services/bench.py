@@ -158,7 +158,9 @@ def build(opts):
                       canvas_short_edges=(min(opts.width, opts.height),), fp8=opts.fp8, adaln_cache=opts.adaln_cache,
                       merge_lora=opts.merge_lora, attention=opts.attention, cuda_graphs=opts.cuda_graphs,
                       teacher_sharded=opts.teacher_sharded, teacher_overlap=opts.teacher_overlap,
-                      reuse_text_kv=opts.reuse_text_kv, prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))))
+                      reuse_text_kv=opts.reuse_text_kv,
+                      prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))),
+        gateway={"allowed_canvases": [(opts.width, opts.height)]})  # the shapes of the DiT's block graphs
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
         else DiTGroup.start(profile, build_runtime)
     encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,

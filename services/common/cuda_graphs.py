@@ -203,6 +203,7 @@ class CudaGraphBank:
         if signature_of(inputs) != key.signature:
             raise GraphError(f"inputs {signature_of(inputs)} do not match graph {key.phase} {key.tag} signature "
                              f"{key.signature}")
+        self.stats.replays += 1
         if entry.graph is None:  # CPU bank: same bookkeeping, eager execution
             with torch.no_grad():
                 return entry.fn(*inputs)
@@ -211,5 +212,4 @@ class CudaGraphBank:
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
             entry.graph.replay()
-        self.stats.replays += 1
         return entry.static_outputs

@@ -8,9 +8,10 @@ object installed from outside, LoRA wraps the plain `nn.Linear`s from outside.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -117,9 +118,12 @@ class AttentionPattern(Protocol):
 
 
 class SequenceShard(Protocol):
-    """Splits the packed sequence across ranks before the blocks and gathers it before the heads (dim 0)."""
+    """Splits the packed sequence across ranks before the blocks and gathers it before the heads (dim 0); wraps
+    each block's attention `inner(q, k, v)` (over every row for this rank's heads) in what moves rows between ranks."""
 
     def split(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def attend(self, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]: ...
 
     def gather(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -129,6 +133,9 @@ class NoShard:
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def attend(self, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return inner
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -378,6 +385,7 @@ class DiT(nn.Module):
         self.final_layer = FinalLayer(args)
         self.sequence_shard: SequenceShard = NoShard()
         self.adaln_table = None  # set by cache_adaln(); then the adaln_proj linears are gone
+        self.block_graphs = None  # `BlockGraphs`, installed from outside: the block stack as piecewise CUDA graphs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -428,9 +436,13 @@ class DiT(nn.Module):
         x = shard.split(x)
         rows = shard.split(layout.adaln_rows.to(dev))
         rope = (shard.split(cos.to(dt)), shard.split(sin.to(dt)))
-        # 3. Blocks.
-        for i, block in enumerate(self.blocks):
-            x = block(x, block_mods[i], rows, rope, attend=lambda q, k, v, i=i: attention(i, q, k, v))
+        # 3. Blocks: eagerly, or replaying the piecewise CUDA graphs captured for this shape (`block_graphs`).
+        attends = [shard.attend(functools.partial(attention, i)) for i in range(len(self.blocks))]
+        if self.block_graphs is not None and self.block_graphs.covers(x, block_mods):
+            x = self.block_graphs.run(x, block_mods, rows, rope, attends)
+        else:
+            for block, table, attend in zip(self.blocks, block_mods, attends):
+                x = block(x, table, rows, rope, attend)
         x = shard.gather(x)
         if not heads:
             return None

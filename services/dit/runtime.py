@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from einops import rearrange
@@ -31,7 +32,7 @@ from services.dit.api import (InvalidPrompt, PhaseMeta, PhaseOutput, PhaseTiming
 from services.dit.attention import StreamingAttention
 from services.dit.geometry import TEACHER_TAIL_LATENTS, Canvas, PhasePlan, RequestPlan, check_canvas, plan_request
 from services.dit.kv_cache import CleanAVKVCache, kv_capacity
-from services.dit.layout import pack_layout
+from services.dit.layout import PAD_MULTIPLE, pack_layout
 from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT
 from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, euler_step, model_t
@@ -43,6 +44,23 @@ log = logging.getLogger(__name__)
 
 VIDEO_SEED_STRIDE = 1_000_003
 STUDENT_STEPS = len(VIDEO_SIGMAS) - 1
+
+
+def text_free_block_shapes(canvases: Sequence[Canvas], ulysses_degree: int) -> list[tuple[int, int]]:
+    """(rows per rank, timestep slots) of every forward a session runs without text rows (`reuse_text_kv`).
+
+    The students of phases 1-3 of every request and the commits of phases 1-3 (run at the start of the next phase):
+    phase 0's students and its commit are the request's first forwards at their text timesteps, which run the text.
+    These are the shapes `BlockGraphs` captures.
+    """
+    slots = {len({model_t(VIDEO_SIGMAS[s]), model_t(AUDIO_SIGMAS[s])}) for s in range(STUDENT_STEPS)} | {1}
+    rows = set()
+    for canvas in canvases:
+        for k in range(41):  # the phase sizes cycle well within 41 requests (as `teacher.request_audio_shapes`)
+            for ph in plan_request(k).phases[1:]:
+                real = 2 * ph.num_audio_latents + ph.num_latents * canvas.rows_per_frame
+                rows.add(-(-real // PAD_MULTIPLE) * PAD_MULTIPLE // ulysses_degree)
+    return sorted((r, n) for r in rows for n in slots)
 
 
 def request_noise(seed: int, request: RequestPlan, canvas: Canvas, channels: int, audio_channels: int

@@ -16,14 +16,17 @@ from services.common.cuda_graphs import PromptBuckets
 from services.common.errors import NotReady
 from services.common.grpc_server import Stage
 from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionConfig
+from services.dit.block_graphs import BlockGraphs
 from services.dit.checkpoint import load_dit
 from services.dit.fp8 import quantize_linears
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_sdpa_kernels
-from services.dit.runtime import DiTRuntime
+from services.dit.geometry import Canvas
+from services.dit.runtime import DiTRuntime, text_free_block_shapes
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
+from services.gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,22 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     runtime.teacher.overlap = cfg.teacher_overlap
     if cfg.cuda_graphs and cfg.usp_degree == 1:  # a Ulysses group captures them once it has formed (launch)
         runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets))
+    if cfg.cuda_graphs and cfg.reuse_text_kv and device.type == "cuda":  # no collective inside: captured right away
+        started = time.perf_counter()
+        graphs = BlockGraphs(model, adapter, device)
+        for rows, slots in text_free_block_shapes(profile_canvases(profile), cfg.usp_degree):
+            graphs.capture(rows, slots)
+        graphs.seal()
+        model.block_graphs = graphs
+        log.info("block graphs of the text-free student and commit forwards captured in %.1f s: (rows on this rank, "
+                 "timestep slots) %s", time.perf_counter() - started, graphs.shapes)
     return runtime
+
+
+def profile_canvases(profile: Profile) -> list[Canvas]:
+    """The canvases the profile's gateway admits whose short edge the DiT serves."""
+    sizes = profile.gateway.get("allowed_canvases", GatewayConfig.allowed_canvases)
+    return [Canvas(w, h) for w, h in sizes if min(w, h) in profile.dit.canvas_short_edges]
 
 
 def compile_block_regions(model: DiT, adapter: LoRAAdapter) -> None:

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism for the DiT, installed from outside the model.
 
-`install_ulysses(model, group)` gives the DiT a `UlyssesShard` (its packed rows split into N equal contiguous
-slices, one per rank, gathered back before the heads) and wraps the attention callable every block receives:
+`install_ulysses(model, group)` gives the DiT a `UlyssesShard`: its packed rows split into N equal contiguous
+slices, one per rank, gathered back before the heads, and every block's attention wrapped (`attend`):
 one packed-QKV all-to-all turns the sequence shard `[S/N, H, D]` x 3 into the head shard `[S, H/N, D]` x 3, the
 inner pattern (full or streaming) runs over all rows for this rank's heads (so a KV cache keeps `[rows, H/N, D]`
 per rank), and a second all-to-all restores `[S/N, H, D]`. The text refiner runs replicated (text rows only).
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from einops import rearrange
 from torch.distributed import ProcessGroup
 
-from services.dit.model import Block, DiT, NoShard
+from services.dit.model import DiT, NoShard
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ class UlyssesShard:
         # x: [S, ...] -> [S/N, ...]
         n = self._rows(x)
         return x.narrow(0, self.rank * n, n).contiguous()
+
+    def attend(self, inner):
+        """`inner(q, k, v)` over every row for this rank's heads, wrapped in the Ulysses all-to-alls."""
+        return UlyssesAttend(inner, self.group, self.world_size)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's slice in rank order."""
@@ -97,12 +101,11 @@ class UlyssesHandle:
     """What `install_ulysses` changed; `local()` runs forwards unsharded, `remove()` restores the single-device model."""
 
     model: DiT
-    hooks: list
     world_size: int
     rank: int
     shard: UlyssesShard
     local_depth: int = 0
-    """> 0 inside `local()`: the attention is not wrapped and the sequence is not split."""
+    """> 0 inside `local()`: the sequence is not split and the attention not wrapped (`NoShard`)."""
 
     @contextmanager
     def local(self):
@@ -121,15 +124,12 @@ class UlyssesHandle:
                 self.model.sequence_shard = self.shard
 
     def remove(self) -> None:
-        """Uninstall: drop the hooks and restore the identity shard."""
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
+        """Uninstall: restore the identity shard."""
         self.model.sequence_shard = NoShard()
 
 
 def install_ulysses(model: DiT, group: ProcessGroup | None, rank: int, world_size: int) -> UlyssesHandle:
-    """Shard `model`'s packed sequence over `world_size` ranks of `group` and wrap every block's attention."""
+    """Shard `model`'s packed sequence over `world_size` ranks of `group`, every block's attention wrapped."""
     heads = model.args.num_heads
     if world_size < 1 or heads % world_size:
         raise ValueError(f"Ulysses degree {world_size} must be >= 1 and divide num_heads={heads}")
@@ -137,18 +137,6 @@ def install_ulysses(model: DiT, group: ProcessGroup | None, rank: int, world_siz
         raise ValueError("a sequence shard is already installed on this DiT; remove it first")
     shard = UlyssesShard(group, rank, world_size)
     model.sequence_shard = shard
-    handle = UlyssesHandle(model, [], world_size, rank, shard)
-
-    def wrap_attend(module: Block, args: tuple, kwargs: dict):
-        # Block.forward(x, table, rows, rope, attend): swap attend for its Ulysses wrapper
-        if handle.local_depth:
-            return None
-        if "attend" in kwargs:
-            kwargs = {**kwargs, "attend": UlyssesAttend(kwargs["attend"], group, world_size)}
-        else:
-            args = (*args[:4], UlyssesAttend(args[4], group, world_size), *args[5:])
-        return args, kwargs
-
-    handle.hooks = [block.register_forward_pre_hook(wrap_attend, with_kwargs=True) for block in model.blocks]
+    handle = UlyssesHandle(model, world_size, rank, shard)
     log.info("Ulysses installed: rank %d of %d, %d heads per rank", rank, world_size, heads // world_size)
     return handle

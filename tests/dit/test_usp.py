@@ -16,11 +16,13 @@ import torch.multiprocessing as mp
 
 from services.common.config import DiTConfig, ModelConfig, Profile
 from services.dit.api import HoldConfig, PhaseOutput, PromptUpdate, RuntimeConfig, SessionCancelled, SessionConfig
+from services.dit.block_graphs import BlockGraphs
+from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.launch import GroupOptions, free_port, rank_device_env
 from services.dit.layout import pack_layout
 from services.dit.model import PRESETS, DiT, FullAttention, build_random
-from services.dit.runtime import DiTRuntime
+from services.dit.runtime import DiTRuntime, text_free_block_shapes
 from services.dit.sp import install_ulysses, out_to_sequence, qkv_to_heads
 
 ARGS = PRESETS["tiny"]  # 4 heads: N = 2 and N = 4 both divide
@@ -35,6 +37,10 @@ def build_tiny(profile: Profile, device: torch.device) -> DiTRuntime:
     runtime = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=TEXT_TOKENS,
                                                          ulysses_degree=profile.dit.usp_degree))
     runtime.teacher.overlap = profile.dit.teacher_overlap
+    if profile.dit.usp_degree > 1:  # the group's text-free forwards through the block pieces (eager on the CPU)
+        model.block_graphs = BlockGraphs(model, None, device)
+        for rows, slots in text_free_block_shapes([Canvas(*CANVAS)], profile.dit.usp_degree):
+            model.block_graphs.capture(rows, slots)
     return runtime
 
 

@@ -1,0 +1,125 @@
+"""The DiT's block stack as piecewise CUDA graphs, for the streaming forwards (students and commits) of each phase.
+
+A block is two compiled regions around its attention call (`attention_inputs`, `residual_branches` in model.py).
+The attention stays eager: under Ulysses it holds the all-to-alls (NCCL work inside a graph cannot be aborted when a
+rank dies), and the streaming pattern's shapes grow with the KV history. So one graph covers each stretch between
+two attention calls (the second region of block i-1 and the first of block i), and a forward is 51 replays with
+the 50 attention calls between them, instead of thousands of kernel launches: below ~2,500 rows per GPU a forward
+is bound by that dispatch (~124 ms of host per forward whatever its size, docs/benchmarks.md §2).
+
+`capture(rows, slots)` records the graphs of one shape at start-up: `rows` packed rows on this rank (after the
+sequence split) and `slots` timesteps in the AdaLN tables. Every piece reads and writes one set of static buffers
+per shape (`_Buffers`), and all pieces share one memory pool for their temporaries: they replay one after another.
+A forward of another shape, or with the LoRA suspended (the teacher), or during a graph capture, runs eagerly.
+Knows nothing about sessions, KV caches, text rows or the all-to-alls.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from services.common.cuda_graphs import CudaGraphBank, GraphKey
+from services.dit.lora import LoRAAdapter
+from services.dit.model import DiT, attention_inputs, residual_branches
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Buffers:
+    """Static tensors of one captured shape: the pieces' inputs and outputs."""
+
+    x: torch.Tensor  # [R, C] residual stream: the stack's input, each piece's output
+    tables: torch.Tensor  # [L, 3 * slots, 6, C] per-block AdaLN tables
+    rows: torch.Tensor  # [R] int64 table row of every x row
+    cos: torch.Tensor  # [R, rope dims]
+    sin: torch.Tensor  # [R, rope dims]
+    qkv: torch.Tensor  # [3, R, H, D] the next attention's inputs
+    attn: torch.Tensor  # [R, H, D] the last attention's output
+
+
+class BlockGraphs:
+    """Piecewise graphs of `model.blocks` per (rows on this rank, timestep slots), LoRA active."""
+
+    def __init__(self, model: DiT, adapter: LoRAAdapter | None, device: torch.device):
+        self.model, self.adapter = model, adapter
+        self.bank = CudaGraphBank(device)
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (rows, slots) captured."""
+        return sorted(self._buffers)
+
+    def capture(self, rows: int, slots: int) -> None:
+        """Record the 51 pieces of shape (`rows`, `slots`); start-up only, with the LoRA active."""
+        if (rows, slots) in self._buffers:
+            raise ValueError(f"block graphs for {rows} rows and {slots} timestep slots are already captured")
+        if self.adapter is not None and self.adapter.suspended_depth:
+            raise ValueError("capture the block graphs with the LoRA active: they replay the students and commits")
+        args, dev, dt = self.model.args, self.bank.device, self.model.dtype
+        c, h, d = args.hidden_size, args.num_heads, args.head_dim
+        with torch.inference_mode(False):  # plain tensors: copied into from inside inference mode and outside it
+            b = _Buffers(x=torch.zeros(rows, c, device=dev, dtype=dt),
+                         tables=torch.zeros(args.num_layers, 3 * slots, 6, c, device=dev, dtype=dt),
+                         rows=torch.zeros(rows, dtype=torch.int64, device=dev),
+                         cos=torch.ones(rows, args.rope_dims, device=dev, dtype=dt),
+                         sin=torch.zeros(rows, args.rope_dims, device=dev, dtype=dt),
+                         qkv=torch.zeros(3, rows, h, d, device=dev, dtype=dt),
+                         attn=torch.zeros(rows, h, d, device=dev, dtype=dt))
+        for i in range(args.num_layers + 1):
+            self.bank.capture(self._key(rows, slots, i), lambda i=i: self._piece(b, i), [])
+        self._buffers[(rows, slots)] = b
+
+    def seal(self) -> None:
+        """End of start-up."""
+        self.bank.seal()
+
+    def close(self) -> None:
+        """Free the graphs and their pool."""
+        self.bank.close()
+        self._buffers.clear()
+
+    def covers(self, x: torch.Tensor, tables: Sequence[torch.Tensor]) -> bool:
+        """Whether a forward with this rank's rows `x` `[R, C]` and per-block tables `[3 * slots, 6, C]` replays."""
+        return ((x.shape[0], tables[0].shape[0] // 3) in self._buffers
+                and (self.adapter is None or not self.adapter.suspended_depth)
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+    def run(self, x: torch.Tensor, tables: Sequence[torch.Tensor], rows: torch.Tensor,
+            rope: tuple[torch.Tensor, torch.Tensor], attends: Sequence[Callable[..., torch.Tensor]]) -> torch.Tensor:
+        """The block stack on `x` `[R, C]`: the pieces replayed, `attends[i](q, k, v)` run eagerly between them."""
+        slots = tables[0].shape[0] // 3
+        b = self._buffers[(x.shape[0], slots)]
+        b.x.copy_(x)
+        torch.stack(list(tables), out=b.tables)  # [L, 3 * slots, 6, C]
+        b.rows.copy_(rows)
+        b.cos.copy_(rope[0])
+        b.sin.copy_(rope[1])
+        for i, attend in enumerate(attends):
+            self.bank.replay(self._key(x.shape[0], slots, i), [])
+            b.attn.copy_(attend(b.qkv[0], b.qkv[1], b.qkv[2]))
+        self.bank.replay(self._key(x.shape[0], slots, len(attends)), [])
+        return b.x.clone()  # the next forward overwrites the buffer
+
+    def _piece(self, b: _Buffers, i: int) -> None:
+        """Piece i: block i-1's second region (after its attention), then block i's first region (before its own)."""
+        blocks = self.model.blocks
+        x = b.x
+        if i > 0:
+            x = residual_branches(blocks[i - 1], b.x, b.tables[i - 1], b.rows, b.attn)
+        if i < len(blocks):
+            q, k, v = attention_inputs(blocks[i], x, b.tables[i], b.rows, b.cos, b.sin)
+            b.qkv[0].copy_(q)
+            b.qkv[1].copy_(k)
+            b.qkv[2].copy_(v)
+        if i > 0:
+            b.x.copy_(x)
+
+    @staticmethod
+    def _key(rows: int, slots: int, piece: int) -> GraphKey:
+        return GraphKey.for_inputs("blocks", [], tag=(rows, slots, piece))
