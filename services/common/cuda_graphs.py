@@ -4,7 +4,10 @@
 (shape, dtype) signature of the static inputs). Every graph is captured into ONE shared memory pool
 (`torch.cuda.graph_pool_handle()`); this is safe because graphs are replayed one at a time (the caller orders them:
 the audio teacher replays on its own stream, never while another of its replays runs) and each graph's static
-outputs stay referenced, so no later capture reuses their memory. `seal()` ends start-up: from then
+outputs stay referenced, so no later capture reuses their memory. Each bank also captures on a stream of its own:
+a captured GEMM keeps the cuBLAS workspace of the stream it was captured on, and two banks whose graphs replay at
+the same time (the teacher's beside the DiT's block pieces) must not share one (split-K GEMMs coordinate through
+it; with one capture stream for both, the two DiT ranks hung in the first all-to-all after such a pair). `seal()` ends start-up: from then
 on a key that was not captured runs eagerly (counted in `misses`) instead of capturing in the hot path. On a CPU
 bank every call runs eagerly (same API, used by the CPU tests).
 
@@ -122,6 +125,8 @@ class CudaGraphBank:
             raise GraphError(f"warmup={warmup!r} must be a positive int (cuBLAS/cuDNN must initialise before capture)")
         self.warmup = warmup
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.stream = torch.cuda.Stream(self.device) if self.enabled else None
+        """Warm-up and capture stream of this bank's graphs (their cuBLAS workspace), not shared with other banks."""
         self.sealed = False
         self.stats = GraphStats()
         self._entries: dict[GraphKey, _Entry] = {}
@@ -151,14 +156,13 @@ class CudaGraphBank:
             entry.static_outputs = fn(*static)
         else:  # on the bank's device whatever the caller's current one (the VAE's audio decoder is on cuda:1)
             with torch.cuda.device(self.device):
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side), torch.no_grad():
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream), torch.no_grad():
                     for _ in range(self.warmup):
                         fn(*static)
-                torch.cuda.current_stream(self.device).wait_stream(side)
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+                with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                     entry.static_outputs = fn(*static)
             entry.graph = graph
         self._entries[key] = entry

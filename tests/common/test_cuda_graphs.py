@@ -1,5 +1,7 @@
 """CUDA graph bank: prompt buckets, keying, sealing and misses (CPU, eager bank); replay == eager bitwise (GPU)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -121,3 +123,38 @@ def test_a_bank_captures_and_replays_on_its_own_device_whatever_the_current_one(
     y = torch.randn(2, 1, 100, device="cuda:1")
     assert torch.cuda.current_device() == 0
     assert torch.equal(bank.replay(key, [y]), fn(y)) and bank.stats.replays == 1
+
+
+@pytest.mark.gpu
+def test_two_banks_replay_side_by_side_each_with_its_own_capture_stream():
+    # The DiT's teacher graphs replay from a worker thread beside its block pieces: thin GEMMs with a long K (cuBLAS
+    # splits K and coordinates the splits through the workspace of the stream the graph was captured on).
+    w = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16) / 64
+
+    def fn(x):
+        return x @ w
+
+    banks = [CudaGraphBank("cuda"), CudaGraphBank("cuda")]
+    assert banks[0].stream != banks[1].stream
+    x = torch.randn(32, 8192, device="cuda", dtype=torch.bfloat16)
+    key = GraphKey.for_inputs("thin_gemm", [x])
+    for bank in banks:
+        bank.capture(key, fn, [x])
+        bank.seal()
+    want = fn(x)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def replay(i: int) -> None:
+        with torch.cuda.stream(streams[i]):
+            for _ in range(300):
+                banks[i].replay(key, [x])
+        streams[i].synchronize()
+
+    threads = [threading.Thread(target=replay, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a replay hung"
+    for bank in banks:
+        assert torch.equal(bank.replay(key, [x]), want)
