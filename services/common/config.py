@@ -111,7 +111,7 @@ class DiTConfig:
     """Drop the audio KV history every this many requests."""
     reuse_text_kv: bool = True
     """Run a request's text rows once per text timestep (its 3 student steps and the commit) and reuse their K/V
-    in its later phases; False runs them in every forward (~4% more DiT work per steady request at 480x864)."""
+    in its later phases; False runs them in every forward (~5% more DiT FLOPs per steady request at 480x864)."""
     hold_poll_seconds: float = 0.02
     """How often a held session looks for a newer prompt or a cancel."""
     max_phases_ahead: int = 2

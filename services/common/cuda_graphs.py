@@ -6,10 +6,10 @@
 the audio teacher replays on its own stream, never while another of its replays runs) and each graph's static
 outputs stay referenced, so no later capture reuses their memory. Each bank also captures on a stream of its own:
 a captured GEMM keeps the cuBLAS workspace of the stream it was captured on, and two banks whose graphs replay at
-the same time (the teacher's beside the DiT's block pieces) must not share one (split-K GEMMs coordinate through
-it; with one capture stream for both, the two DiT ranks hung in the first all-to-all after such a pair). `seal()` ends start-up: from then
-on a key that was not captured runs eagerly (counted in `misses`) instead of capturing in the hot path. On a CPU
-bank every call runs eagerly (same API, used by the CPU tests).
+the same time (the teacher's beside the DiT's block pieces) must not share one (with one capture stream for both,
+the two DiT ranks hung in the first all-to-all after such a pair). `seal()` ends start-up: from then on a key
+that was not captured runs eagerly (counted in `misses`) instead of capturing in the hot path. On a CPU bank every
+call runs eagerly (same API, used by the CPU tests).
 
 Replay semantics: `run(key, fn, inputs)` copies `inputs` into the graph's static input buffers, replays, and returns
 the graph's static OUTPUT tensors — valid until the next replay of the same key (clone them to keep them). Python

@@ -4,8 +4,9 @@ A block is two compiled regions around its attention call (`attention_inputs`, `
 The attention stays eager: under Ulysses it holds the all-to-alls (NCCL work inside a graph cannot be aborted when a
 rank dies), and the streaming pattern's shapes grow with the KV history. So one graph covers each stretch between
 two attention calls (the second region of block i-1 and the first of block i), and a forward is 51 replays with
-the 50 attention calls between them, instead of thousands of kernel launches: below ~2,500 rows per GPU a forward
-is bound by that dispatch (~124 ms of host per forward whatever its size, docs/benchmarks.md §2).
+the 50 attention calls between them, instead of thousands of kernel launches. On an idle GPU a forward below ~2,500
+rows is bound by that dispatch (~124 ms of host whatever its size, docs/benchmarks.md §2); under USP2 beside the
+VAE the GPUs are the limit in every phase (§4.6), and the graphs take the dispatch off the ranks' host threads.
 
 `capture(rows, slots)` records the graphs of one shape at start-up: `rows` packed rows on this rank (after the
 sequence split) and `slots` timesteps in the AdaLN tables. Every piece reads and writes one set of static buffers
@@ -16,7 +17,6 @@ Knows nothing about sessions, KV caches, text rows or the all-to-alls.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -25,8 +25,6 @@ import torch
 from services.common.cuda_graphs import CudaGraphBank, GraphKey
 from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT, attention_inputs, residual_branches
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,11 +76,6 @@ class BlockGraphs:
     def seal(self) -> None:
         """End of start-up."""
         self.bank.seal()
-
-    def close(self) -> None:
-        """Free the graphs and their pool."""
-        self.bank.close()
-        self._buffers.clear()
 
     def covers(self, x: torch.Tensor, tables: Sequence[torch.Tensor]) -> bool:
         """Whether a forward with this rank's rows `x` `[R, C]` and per-block tables `[3 * slots, 6, C]` replays."""

@@ -19,11 +19,11 @@ from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionCon
 from services.dit.block_graphs import BlockGraphs
 from services.dit.checkpoint import load_dit
 from services.dit.fp8 import quantize_linears
+from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_sdpa_kernels
-from services.dit.geometry import Canvas
 from services.dit.runtime import DiTRuntime, text_free_block_shapes
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig

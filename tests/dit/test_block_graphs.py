@@ -53,25 +53,16 @@ def forward_both_ways(device: str, dtype: torch.dtype):
     return eager, replayed, replays, teacher, teacher_eager
 
 
-@pytest.mark.cpu
-def test_pieces_between_the_attention_calls_compute_the_block_loop():
-    eager, replayed, replays, teacher, teacher_eager = forward_both_ways("cpu", torch.float32)
+@pytest.mark.parametrize("device, dtype", [pytest.param("cpu", torch.float32, marks=pytest.mark.cpu),
+                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+def test_replayed_pieces_compute_the_block_loop_bitwise(device, dtype):
+    eager, replayed, replays, teacher, teacher_eager = forward_both_ways(device, dtype)
     assert replays == PIECES
     for a, b in zip(eager, replayed):
         assert torch.equal(a, b)
     for a, b in zip(teacher, teacher_eager):
         assert torch.equal(a, b)
     assert not torch.equal(eager[0], teacher[0])  # the LoRA matters, so running the graphs for the teacher would show
-
-
-@pytest.mark.gpu
-def test_replayed_pieces_equal_the_eager_blocks_bitwise_on_cuda():
-    eager, replayed, replays, teacher, teacher_eager = forward_both_ways("cuda", torch.bfloat16)
-    assert replays == PIECES
-    for a, b in zip(eager, replayed):
-        assert torch.equal(a, b)
-    for a, b in zip(teacher, teacher_eager):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.cpu
@@ -107,8 +98,8 @@ def test_a_session_replays_every_text_free_forward():
         model.register_forward_pre_hook(lambda m, a: shapes.append(
             (a[3].seq_len, len(a[3].timestep_values), a[3].text_len)) if not adapter.suspended_depth else None)
         rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16), adapter)
-        session = rt.open_session(SessionConfig(seed=2, width=canvas.width, height=canvas.height),
-                                  PromptUpdate(torch.randn(7, ARGS.text_dim, generator=torch.Generator().manual_seed(4))))
+        text = torch.randn(7, ARGS.text_dim, generator=torch.Generator().manual_seed(4))
+        session = rt.open_session(SessionConfig(seed=2, width=canvas.width, height=canvas.height), PromptUpdate(text))
         runs.append([session.next_phase() for _ in range(6)])
         session.close()
     for a, b in zip(*runs):

@@ -109,8 +109,9 @@ def test_a_failed_forward_records_nothing_and_the_retry_matches(adapter_dir, mon
 
 
 def layout(text_len: int):
-    return pack_layout(text_len=text_len, audio_len_per_channel=2, video_rows=4, positions_text=torch.zeros(text_len, 3),
-                       positions_audio=torch.zeros(4, 3), positions_video=torch.zeros(4, 3), video_t=0.5, audio_t=0.5)
+    return pack_layout(text_len=text_len, audio_len_per_channel=2, video_rows=4,
+                       positions_text=torch.zeros(text_len, 3), positions_audio=torch.zeros(4, 3),
+                       positions_video=torch.zeros(4, 3), video_t=0.5, audio_t=0.5)
 
 
 def test_recorded_text_kv_and_text_rows_do_not_mix():
