@@ -38,6 +38,8 @@ def test_bad_values_are_named():
         DiTConfig(attention="flash3")
     with pytest.raises(ValueError, match="dit.merge_lora='yes': must be true or false"):
         DiTConfig(merge_lora="yes")
+    with pytest.raises(ValueError, match="dit.reuse_text_kv=1: must be true or false"):
+        DiTConfig(reuse_text_kv=1)
 
 
 def test_vae_tile_overlap_is_validated():
