@@ -46,6 +46,7 @@ from services.dit.service import build_runtime
 from services.dit.teacher import STEPS as TEACHER_STEPS
 from services.encoder.model import TextEncoder
 from services.gateway.config import GatewayConfig
+from services.gpu_trace import KernelTrace
 from services.vae.incremental import audio_graph_lengths, warm_up_video
 from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
 from services.vae.service import DecodeSession
@@ -289,11 +290,13 @@ def warmup(opts, encoder, runtime, vae: VAEStage | NoVAE) -> float:
     return time.perf_counter() - started
 
 
-def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: FlopCounter, max_phases: int = 0):
+def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: FlopCounter, max_phases: int = 0,
+                trace: KernelTrace | None = None):
     """Stream opts.requests requests with a new prompt each (or only `max_phases` phases), the VAE pipelined.
 
     Returns per-phase records (DiT and VAE stage seconds, delivery time, GPU memory after each request) and the
-    time from opening the session to the first delivered chunk.
+    time from opening the session to the first delivered chunk. With `trace`, request `opts.trace_request` runs
+    inside it.
     """
     records, t_open = [], time.monotonic()
     vae.new_session()
@@ -311,10 +314,15 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
                 text = encoder.encode_bytes(prompt_text(k + 1, opts.prompt_tokens))
                 prompt_tokens[k + 1] = text.shape[0]
                 session.submit_prompt(PromptUpdate(text.float(), f"p{k + 1}"))
+            traced = trace is not None and k == opts.trace_request
+            if traced and p == 0:
+                trace.__enter__()
             t0 = time.perf_counter()
             out = session.next_phase()
             sync(device)
             t1 = time.perf_counter()
+            if traced and p == PHASES_PER_REQUEST - 1:
+                trace.__exit__(None, None, None)
             if p == 0 and opts.cuda_graphs:
                 flops.add_teacher(prompt_tokens[k], k)
             rec.update(dit=t1 - t0, teacher=out.meta.timings.teacher_s, student=out.meta.timings.student_s,
@@ -334,6 +342,8 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
                          k, *(sum(r[s] for r in done) for s in ("dit", "teacher", "student", "commit")),
                          [round(b / 2**30, 1) for b in rec["memory"].values()])
     finally:
+        if trace is not None and trace.running:  # a phase of the traced request raised
+            trace.__exit__(None, None, None)
         session.close()
     for rec, result in zip(records, vae.drain()):
         rec.update(result)
@@ -513,6 +523,9 @@ def main() -> None:
                         help="capture the audio decoder per phase size as CUDA graphs (vae.cuda_graphs)")
     parser.add_argument("--no-vae", action="store_true",
                         help="no decode or mux: a chunk counts as delivered when the DiT hands it over")
+    parser.add_argument("--trace-request", type=int, default=-1,
+                        help="profile this request's GPU kernels on the DiT's rank 0 and print how busy its GPU was "
+                             "and with which kernels (attention, GEMM, NCCL, other)")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,
                         help="phases the DiT may run ahead of delivered chunks (the services' dit.max_phases_ahead)")
     opts = parser.parse_args()
@@ -525,6 +538,8 @@ def main() -> None:
             vars(opts).update(profile_options(load_profile(opts.profile)))
         except ValueError as e:
             parser.error(str(e))
+    if not -1 <= opts.trace_request < opts.requests:
+        parser.error(f"--trace-request {opts.trace_request}: the session has requests 0..{opts.requests - 1}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(opts.devices.split(",")[0])
     torch.manual_seed(0)
@@ -535,7 +550,8 @@ def main() -> None:
             startup += warmup(opts, encoder, runtime, vae)
             flops = FlopCounter(runtime.model.args, lora_rank(runtime.model))
             runtime.model.register_forward_pre_hook(flops.hook, with_kwargs=True)
-            records, ttfc = run_session(opts, device, encoder, runtime, vae, flops)
+            trace = KernelTrace() if opts.trace_request >= 0 else None
+            records, ttfc = run_session(opts, device, encoder, runtime, vae, flops, trace=trace)
             warm, warm_ttfc = run_session(opts, device, encoder, runtime, vae, flops, max_phases=1)
     finally:
         vae.stop()
@@ -549,6 +565,10 @@ def main() -> None:
     del runtime
     gc.collect()
     print(summarize(opts, records, ttfc, warm_ttfc, startup, gpus=gpus, warm_first=warm[0]), flush=True)
+    if trace is not None:
+        print("\n".join([f"request {opts.trace_request} traced (this process's GPU kernels: DiT rank 0 and its "
+                          "teacher worker; other ranks and the VAE process are not seen):", *trace.summary()]),
+              flush=True)
     base = None
     if opts.baseline:  # one GPU, a fresh DiT built like the profile's (FP8, AdaLN cache, LoRA)
         torch.cuda.empty_cache()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import statistics
 import time
 
@@ -26,21 +25,9 @@ from services.dit.bench_forward import Geometry, HistoryAttention, _phase, _time
 from services.dit.fp8 import quantize_linears
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, SDPA_ORDERS, build_random
+from services.gpu_trace import category
 
 log = logging.getLogger("services.dit.profile_forward")
-
-CATEGORIES = (
-    ("attention", re.compile(r"flash|fmha|attention|cudnn|sdpa", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|sm90|matmul|scaled_mm|cublas|xmma|nvjet", re.I)),
-)
-
-
-def category(name: str) -> str:
-    for label, pattern in CATEGORIES:
-        if pattern.search(name):
-            return label
-    return "other"
-
 
 def host_and_device_ms(model, inputs, layout, attention, runs: int = 5) -> tuple[float, float]:
     """Median (host ms for the forward call to return, device ms between events around it)."""

@@ -41,9 +41,11 @@ def test_bench_runs_on_the_tiny_preset():
 def test_bench_without_the_vae_counts_delivery_at_the_dit():
     run = subprocess.run([sys.executable, "-m", "services.bench", "--preset", "tiny", "--devices", "cpu",
                           "--width", "320", "--height", "192", "--requests", "2", "--prompt-tokens", "40",
-                          "--no-vae", "--merge-lora"], capture_output=True, text=True, timeout=300)
+                          "--no-vae", "--merge-lora", "--trace-request", "1"], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "no VAE (--no-vae)" in run.stdout and "merge_lora=True" in run.stdout
+    assert "request 1 traced" in run.stdout and "no GPU kernels recorded" in run.stdout  # a CPU run
     row = next(line for line in run.stdout.splitlines() if line.strip().startswith("1 |"))
     cells = [c.strip() for c in row.split("|")]
     assert float(cells[6]) == 0 and float(cells[1]) > 0 and float(cells[9]) > 0  # no decode; DiT and delivery

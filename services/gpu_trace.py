@@ -1,0 +1,98 @@
+"""GPU kernels of a stretch of work in this process, by category, and how busy each GPU was.
+
+The bench's `--trace-request K` wraps one request of a session in a `KernelTrace`: where the DiT is 2.5x its floor,
+this says whether rank 0's GPU sat idle (waiting for its peer, the host or the other processes on the GPU) or was
+busy, and with which kernels. Only this process's kernels are seen: the DiT rank 0 and its teacher worker, not the
+other ranks or the VAE process (whose kernels on a shared GPU show up as this process's idle time).
+Knows nothing about models or sessions.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+CATEGORIES = (
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|cudnn|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|sm90|matmul|scaled_mm|cublas|xmma|nvjet", re.I)),
+)
+
+
+def category(name: str) -> str:
+    """"nccl", "attention", "gemm" or "other" for a kernel name."""
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    device: int
+    start_us: float
+    end_us: float
+
+
+def busy_us(kernels: Sequence[Kernel]) -> float:
+    """Microseconds in which at least one of `kernels` ran (the union of their intervals)."""
+    total, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda k: k.start_us):
+        if k.start_us >= end:
+            total += k.end_us - k.start_us
+        elif k.end_us > end:
+            total += k.end_us - end
+        end = max(end, k.end_us)
+    return total
+
+
+def summary(kernels: Sequence[Kernel], wall_s: float) -> list[str]:
+    """One line per device: busy share of `wall_s`, then kernel seconds by category (they overlap across streams)."""
+    if not kernels:
+        return ["no GPU kernels recorded (a CPU run, or nothing ran)"]
+    lines = []
+    for dev in sorted({k.device for k in kernels}):
+        mine = [k for k in kernels if k.device == dev]
+        by: dict[str, float] = {}
+        for k in mine:
+            by[category(k.name)] = by.get(category(k.name), 0.0) + (k.end_us - k.start_us) / 1e6
+        busy = busy_us(mine) / 1e6
+        parts = ", ".join(f"{name} {sec:.3f}" for name, sec in sorted(by.items(), key=lambda kv: -kv[1]))
+        lines.append(f"cuda:{dev}: busy {busy:.3f} of {wall_s:.3f} s ({100 * busy / wall_s:.0f}%); kernel seconds "
+                     f"by kind: {parts} ({len(mine)} kernels)")
+    return lines
+
+
+class KernelTrace:
+    """Context manager: records this process's GPU kernels (CUDA) and the wall time of its block."""
+
+    def __init__(self) -> None:
+        self.kernels: list[Kernel] = []
+        self.wall_s = 0.0
+        self.running = False
+        cuda = torch.cuda.is_available()
+        self._profile = profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
+
+    def __enter__(self) -> "KernelTrace":
+        self._profile.__enter__()
+        self._t0 = time.perf_counter()
+        self.running = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.wall_s = time.perf_counter() - self._t0
+        self._profile.__exit__(*exc)
+        self.running = False
+        self.kernels = [Kernel(e.name, e.device_index, e.time_range.start, e.time_range.end)
+                        for e in self._profile.events() if e.device_type == DeviceType.CUDA]
+
+    def summary(self) -> list[str]:
+        return summary(self.kernels, self.wall_s)
