@@ -106,6 +106,16 @@ def plan_request(request_index: int) -> RequestPlan:
                        tuple(phases))
 
 
+def plans_of_every_shape() -> list[RequestPlan]:
+    """Request 0 and one period of the later requests: between them, every phase size and audio split a session meets.
+
+    Later requests differ only in where their first frame falls on the audio latent grid, which repeats every
+    `(LATER_REQUEST_FRAMES * AUDIO_LATENT_RATE / VIDEO_FPS).denominator` requests (119 * 40 / 24 = 595 / 3: 3).
+    """
+    period = Fraction(LATER_REQUEST_FRAMES * AUDIO_LATENT_RATE, VIDEO_FPS).denominator
+    return [plan_request(k) for k in range(1 + period)]
+
+
 @dataclass(frozen=True)
 class Canvas:
     """A validated pixel canvas and its latent/row grid."""

@@ -30,7 +30,8 @@ from services.common.errors import NoCapacity
 from services.dit.api import (InvalidPrompt, PhaseMeta, PhaseOutput, PhaseTimings, PromptUpdate, RuntimeConfig,
                               SessionCancelled, SessionClosed, SessionConfig)
 from services.dit.attention import StreamingAttention
-from services.dit.geometry import TEACHER_TAIL_LATENTS, Canvas, PhasePlan, RequestPlan, check_canvas, plan_request
+from services.dit.geometry import (TEACHER_TAIL_LATENTS, Canvas, PhasePlan, RequestPlan, check_canvas, plan_request,
+                                   plans_of_every_shape)
 from services.dit.kv_cache import CleanAVKVCache, kv_capacity
 from services.dit.layout import PAD_MULTIPLE, pack_layout
 from services.dit.lora import LoRAAdapter
@@ -56,8 +57,8 @@ def text_free_block_shapes(canvases: Sequence[Canvas], ulysses_degree: int) -> l
     slots = {len({model_t(VIDEO_SIGMAS[s]), model_t(AUDIO_SIGMAS[s])}) for s in range(STUDENT_STEPS)} | {1}
     rows = set()
     for canvas in canvases:
-        for k in range(41):  # the phase sizes cycle well within 41 requests (as `teacher.request_audio_shapes`)
-            for ph in plan_request(k).phases[1:]:
+        for plan in plans_of_every_shape():
+            for ph in plan.phases[1:]:
                 real = 2 * ph.num_audio_latents + ph.num_latents * canvas.rows_per_frame
                 rows.add(-(-real // PAD_MULTIPLE) * PAD_MULTIPLE // ulysses_degree)
     return sorted((r, n) for r in rows for n in slots)

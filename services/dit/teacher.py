@@ -31,7 +31,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets, signature_of
-from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request
+from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request, plans_of_every_shape
 from services.dit.layout import PackedLayout, pack_layout
 from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT, FullAttention
@@ -46,7 +46,7 @@ STEPS = len(TEACHER_SIGMAS) - 1
 
 def request_audio_shapes() -> list[tuple[int, int]]:
     """Every (tail latents, new latents) per channel a teacher document takes: request 0, then the 198/199 cycle."""
-    later = sorted({plan_request(k).num_audio_latents for k in range(1, 41)})
+    later = sorted({plan.num_audio_latents for plan in plans_of_every_shape()[1:]})
     return [(0, plan_request(0).num_audio_latents)] + [(TEACHER_TAIL_LATENTS, n) for n in later]
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.dit.api import CANVAS_SHORT_EDGES, InvalidCanvas, RuntimeConfig
-from services.dit.geometry import audio_boundary, check_canvas, plan_request
+from services.dit.geometry import audio_boundary, check_canvas, plan_request, plans_of_every_shape
 from services.dit.timeline import Timeline
 
 pytestmark = pytest.mark.cpu
@@ -38,6 +38,15 @@ def test_later_requests_geometry_and_continuity():
 def test_audio_boundaries_round_half_to_even():
     # 3 frames -> 5 latents exactly; frame 1 -> 1.667 -> 2; frame 73 -> 121.67 -> 122
     assert [audio_boundary(f) for f in (0, 1, 3, 73, 107, 124)] == [0, 2, 5, 122, 178, 207]
+
+
+def test_plans_of_every_shape_hold_every_request_shape_a_long_session_meets():
+    def shape(plan):
+        return plan.num_audio_latents, tuple((ph.num_latents, ph.num_audio_latents) for ph in plan.phases)
+
+    few = plans_of_every_shape()
+    assert [p.request_index for p in few] == [0, 1, 2, 3]
+    assert {shape(plan_request(k)) for k in range(300)} == {shape(p) for p in few}
 
 
 def test_canvases():
