@@ -141,7 +141,9 @@ class CudaGraphBank:
     def capture(self, key: GraphKey, fn: Callable[..., object], example_inputs: Sequence[torch.Tensor]) -> object:
         """Capture `fn(*inputs)` under `key` (start-up only); returns the outputs of the capture run.
 
-        `example_inputs` are copied into freshly allocated static buffers, so the caller's tensors stay free.
+        `example_inputs` are copied into freshly allocated static buffers, so the caller's tensors stay free. The
+        buffers are plain tensors even when this runs in inference mode, so a replay may copy into them from any
+        thread and mode (inference mode is thread-local: the teacher's worker replays outside it).
         """
         if self.sealed:
             raise GraphError(f"capture of {key.phase} {key.tag} after seal(): captures belong to start-up")
@@ -150,7 +152,8 @@ class CudaGraphBank:
         if signature_of(example_inputs) != key.signature:
             raise GraphError(f"example inputs {signature_of(example_inputs)} do not match the key's signature "
                              f"{key.signature}")
-        static = [x.detach().to(self.device).clone() for x in example_inputs]
+        with torch.inference_mode(False):
+            static = [x.detach().to(self.device).clone() for x in example_inputs]
         entry = _Entry(fn, static)
         if not self.enabled:
             entry.static_outputs = fn(*static)

@@ -215,16 +215,14 @@ class AudioTeacher:
             self._stream = torch.cuda.Stream(dev, priority=-1)  # its steps first whenever both streams have work
             self._worker = ThreadPoolExecutor(1, "dit-teacher")
         self._stream.wait_stream(torch.cuda.current_stream(dev))  # the prompt and the tail were made on it
-        self._last = self._worker.submit(self._beside, doc, run, torch.is_inference_mode_enabled())
+        self._last = self._worker.submit(self._beside, doc, run)
         return run
 
-    def _beside(self, doc: _Document, run: TeacherRun, inference: bool) -> None:
-        """Worker thread: replay the request's steps on the teacher's stream, publishing each state with an event.
-        Runs in the caller's inference mode (thread-local): the graphs' static buffers were made in it."""
+    def _beside(self, doc: _Document, run: TeacherRun) -> None:
+        """Worker thread: replay the request's steps on the teacher's stream, publishing each state with an event."""
         started = time.perf_counter()
         try:
-            with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream), \
-                    torch.inference_mode(inference), torch.no_grad():
+            with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream), torch.no_grad():
                 def publish(index: int, state: torch.Tensor) -> None:
                     ready = torch.cuda.Event()
                     ready.record(self._stream)

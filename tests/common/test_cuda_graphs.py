@@ -78,6 +78,21 @@ def test_cpu_bank_capture_run_seal_and_misses():
         CudaGraphBank("cpu", warmup=0)
 
 
+@pytest.mark.cpu
+def test_static_inputs_captured_in_inference_mode_take_copies_outside_it():
+    # A replay copies its inputs into the static buffers; the DiT's teacher captures in the bench's inference mode and
+    # replays from a worker thread, where inference mode (thread-local) is off.
+    with torch.inference_mode():
+        bank = CudaGraphBank("cpu")
+        x = torch.ones(4)
+        key = GraphKey.for_inputs("teacher", [x])
+        bank.capture(key, lambda t: t * 2, [x])
+    (static,) = bank._entries[key].static_inputs
+    assert x.is_inference() and not static.is_inference()
+    static.copy_(torch.full((4,), 3.0))  # an inference tensor here: "Inplace update to inference tensor outside ..."
+    assert static.tolist() == [3.0] * 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_replay_equals_eager_bitwise_and_outputs_are_static():

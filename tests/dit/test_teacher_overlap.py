@@ -89,7 +89,7 @@ def test_a_failed_teacher_is_started_again_with_the_same_prompt(adapter_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
 def test_teacher_beside_the_students_equals_the_teacher_before_them_bitwise(adapter_dir, inference):
-    # inference_mode: how the bench builds and runs rank 0 (the graphs' static buffers are then inference tensors)
+    # inference_mode: how the bench builds and runs rank 0; the worker replays outside it (the mode is thread-local)
     with torch.inference_mode(inference):
         _, ref, _ = session_outputs(adapter_dir, "cuda", torch.bfloat16, overlap=False)
         rt, got, _ = session_outputs(adapter_dir, "cuda", torch.bfloat16, overlap=True)
