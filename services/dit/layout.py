@@ -128,6 +128,11 @@ class PackedLayout:
         )
 
 
+def padded_rows(real: int) -> int:
+    """Rows of a document of `real` rows: padded up to a multiple of `PAD_MULTIPLE`."""
+    return -(-real // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
 def _check_positions(name: str, pos: torch.Tensor, rows: int) -> torch.Tensor:
     if not isinstance(pos, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of shape [{rows}, 3], got {type(pos).__name__}")
@@ -196,7 +201,7 @@ def pack_layout(
         audio_row_t = []
 
     real = text_len + ta + video_rows
-    seq_len = -(-real // pad_multiple) * pad_multiple
+    seq_len = padded_rows(real)
     pad = seq_len - real
     # Row order and per-row timestep value (pad rows share the text/video value).
     row_t = [tt] * text_len + audio_row_t + [vt] * video_rows + [tt] * pad

@@ -29,6 +29,7 @@ from services.gpu_trace import category
 
 log = logging.getLogger("services.dit.profile_forward")
 
+
 def host_and_device_ms(model, inputs, layout, attention, runs: int = 5) -> tuple[float, float]:
     """Median (host ms for the forward call to return, device ms between events around it)."""
     host, device = [], []

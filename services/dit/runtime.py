@@ -33,7 +33,7 @@ from services.dit.attention import StreamingAttention
 from services.dit.geometry import (TEACHER_TAIL_LATENTS, Canvas, PhasePlan, RequestPlan, check_canvas, plan_request,
                                    plans_of_every_shape)
 from services.dit.kv_cache import CleanAVKVCache, kv_capacity
-from services.dit.layout import PAD_MULTIPLE, pack_layout
+from services.dit.layout import pack_layout, padded_rows
 from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT
 from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, euler_step, model_t
@@ -60,7 +60,7 @@ def text_free_block_shapes(canvases: Sequence[Canvas], ulysses_degree: int) -> l
         for plan in plans_of_every_shape():
             for ph in plan.phases[1:]:
                 real = 2 * ph.num_audio_latents + ph.num_latents * canvas.rows_per_frame
-                rows.add(-(-real // PAD_MULTIPLE) * PAD_MULTIPLE // ulysses_degree)
+                rows.add(padded_rows(real) // ulysses_degree)
     return sorted((r, n) for r in rows for n in slots)
 
 

@@ -30,7 +30,7 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets, signature_of
+from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request, plans_of_every_shape
 from services.dit.layout import PackedLayout, pack_layout
 from services.dit.lora import LoRAAdapter
@@ -169,8 +169,7 @@ class AudioTeacher:
                         layout = step_layout(step, size, n_tail, num, torch.zeros(size, 3),
                                              torch.zeros(2 * (n_tail + num), 3), dev)
                         inputs = [doc, text, layout.positions, valid]
-                        bank.capture(GraphKey.for_inputs("teacher", inputs, tag=(step, n_tail)),
-                                     step_forward(self.model, layout), inputs)
+                        bank.capture(_key(inputs, step, n_tail), step_forward(self.model, layout), inputs)
         bank.seal()
         self.graphs, self.buckets = bank, buckets
         log.info("teacher: %d step graphs captured in %.1f s (buckets %s, audio shapes %s)", len(bank),
@@ -269,9 +268,8 @@ class AudioTeacher:
         """Whether every step of this document has a graph (a miss would run eagerly, which needs `run`)."""
         if self.graphs is None or not self.graphs.enabled:
             return False
-        _, inputs = self._inputs(doc, 0, doc.noise)
-        sig = signature_of(inputs)
-        return all(GraphKey("teacher", sig, (step, doc.n_tail)) in self.graphs for step in range(STEPS))
+        _, inputs = self._inputs(doc, 0, doc.noise)  # every step's inputs have step 0's shapes
+        return all(_key(inputs, step, doc.n_tail) in self.graphs for step in range(STEPS))
 
     def _steps(self, doc: _Document, cancel: CancelToken | None, publish: Callable[[int, torch.Tensor], None],
                replay_only: bool) -> None:
@@ -282,17 +280,21 @@ class AudioTeacher:
             if cancel is not None:
                 cancel.check()
             layout, inputs = self._inputs(doc, i, x)
-            fn = step_forward(self.model, layout)
             if self.graphs is None:
-                out = fn(inputs[0], doc.text, layout.positions, None)
+                out = step_forward(self.model, layout)(inputs[0], doc.text, layout.positions, None)
             elif replay_only:
-                out = self.graphs.replay(GraphKey.for_inputs("teacher", inputs, tag=(i, n_tail)), inputs)
+                out = self.graphs.replay(_key(inputs, i, n_tail), inputs)
             else:
-                out = self.graphs.run(GraphKey.for_inputs("teacher", inputs, tag=(i, n_tail)), fn, inputs)
+                out = self.graphs.run(_key(inputs, i, n_tail), step_forward(self.model, layout), inputs)
             v = out.reshape(2, n_tail + x.shape[1], ch)[:, n_tail:]  # [2, A, 32]
             x = euler_step(x, v, TEACHER_SIGMAS[i], TEACHER_SIGMAS[i + 1])
             if i + 1 in TEACHER_MILESTONES:
                 publish(TEACHER_MILESTONES.index(i + 1), x.clone())
+
+
+def _key(inputs: Sequence[torch.Tensor], step: int, n_tail: int) -> GraphKey:
+    """The graph of teacher step `step` for these inputs and tail length."""
+    return GraphKey.for_inputs("teacher", inputs, tag=(step, n_tail))
 
 
 def _sync(device: torch.device) -> None:
