@@ -316,13 +316,13 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
                 session.submit_prompt(PromptUpdate(text.float(), f"p{k + 1}"))
             traced = trace is not None and k == opts.trace_request
             if traced and p == 0:
-                trace.__enter__()
+                trace.start()
             t0 = time.perf_counter()
             out = session.next_phase()
             sync(device)
             t1 = time.perf_counter()
             if traced and p == PHASES_PER_REQUEST - 1:
-                trace.__exit__(None, None, None)
+                trace.stop()
             if p == 0 and opts.cuda_graphs:
                 flops.add_teacher(prompt_tokens[k], k)
             rec.update(dit=t1 - t0, teacher=out.meta.timings.teacher_s, student=out.meta.timings.student_s,
@@ -343,7 +343,7 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
                          [round(b / 2**30, 1) for b in rec["memory"].values()])
     finally:
         if trace is not None and trace.running:  # a phase of the traced request raised
-            trace.__exit__(None, None, None)
+            trace.stop()
         session.close()
     for rec, result in zip(records, vae.drain()):
         rec.update(result)

@@ -79,20 +79,27 @@ class KernelTrace:
         cuda = torch.cuda.is_available()
         self._profile = profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
 
-    def __enter__(self) -> "KernelTrace":
-        self._profile.__enter__()
+    def start(self) -> None:
+        self._profile.start()
         self._t0 = time.perf_counter()
         self.running = True
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """End the recording (after this process's GPU work so far has finished) and collect its kernels."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.wall_s = time.perf_counter() - self._t0
-        self._profile.__exit__(*exc)
+        self._profile.stop()
         self.running = False
         self.kernels = [Kernel(e.name, e.device_index, e.time_range.start, e.time_range.end)
                         for e in self._profile.events() if e.device_type == DeviceType.CUDA]
+
+    def __enter__(self) -> "KernelTrace":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def summary(self) -> list[str]:
         return summary(self.kernels, self.wall_s)

@@ -345,7 +345,7 @@ class FragmentedMP4Muxer:
         self._check_open()
         self._check_frames(frames)  # both checked before either encoder advances
         self._check_audio(audio)
-        return self.emit(self._video_track(frames), EncodedTrack(*self._encode_audio(audio, final=False)))
+        return self.emit(self._video_track(frames), self._encode_audio(audio, final=False))
 
     def encode_audio(self, audio: np.ndarray) -> EncodedTrack:
         """The AAC half of a chunk (`encode` = `emit(encode_video(...), encode_audio(...))`). The two halves touch
@@ -353,7 +353,7 @@ class FragmentedMP4Muxer:
         # audio: [2, S] float32 in [-1, 1]
         self._check_open()
         self._check_audio(audio)
-        return EncodedTrack(*self._encode_audio(audio, final=False))
+        return self._encode_audio(audio, final=False)
 
     def encode_video(self, frames: np.ndarray) -> EncodedTrack:
         """The H.264 half of a chunk: RGB `[N, H, W, 3]` or I420 planes `[N, H * 3/2, W]`, uint8."""
@@ -386,8 +386,8 @@ class FragmentedMP4Muxer:
         leftover = self._video.encode(None)
         if leftover:
             raise MuxError(f"libx264 flushed {len(leftover)} held-back frame(s); zero-latency settings expected")
-        audio_base, audio_samples = self._encode_audio(np.zeros((AUDIO_CHANNELS, 0), np.float32), final=True)
-        return self._emit(0, [], audio_base, audio_samples) if audio_samples else b""
+        audio = self._encode_audio(np.zeros((AUDIO_CHANNELS, 0), np.float32), final=True)
+        return self._emit(0, [], audio.base, audio.samples) if audio.samples else b""
 
     def _emit(self, video_base: int, video: list[_Sample], audio_base: int, audio: list[_Sample]) -> bytes:
         self._sequence += 1
@@ -434,7 +434,7 @@ class FragmentedMP4Muxer:
                            f"(first keyframe: {bool(packets) and packets[0].is_keyframe}); zero latency expected")
         return [_Sample(_length_prefixed(bytes(p)), self._video_ticks, p.is_keyframe) for p in packets]
 
-    def _encode_audio(self, audio: np.ndarray, final: bool) -> tuple[int, list[_Sample]]:
+    def _encode_audio(self, audio: np.ndarray, final: bool) -> EncodedTrack:
         # audio: [2, S]; pending + audio is cut into 1024-sample frames, the remainder waits (or, if final, goes)
         pcm = np.concatenate([self._pending_audio, audio], axis=1)
         usable = pcm.shape[1] if final else pcm.shape[1] - pcm.shape[1] % AAC_FRAME_SAMPLES
@@ -451,7 +451,7 @@ class FragmentedMP4Muxer:
             packets.extend(self._audio.encode(None))
         return self._audio_samples(packets)
 
-    def _audio_samples(self, packets: Iterable[av.Packet]) -> tuple[int, list[_Sample]]:
+    def _audio_samples(self, packets: Iterable[av.Packet]) -> EncodedTrack:
         samples: list[_Sample] = []
         base = self._audio_next_time if self._audio_next_time is not None else 0
         for p in packets:
@@ -463,4 +463,4 @@ class FragmentedMP4Muxer:
             duration = p.duration or AAC_FRAME_SAMPLES
             samples.append(_Sample(bytes(p), duration, True))
             self._audio_next_time += duration
-        return base, samples
+        return EncodedTrack(base, samples)
