@@ -135,6 +135,12 @@ class DiTConfig:
     inside a graph cannot be aborted, so a rank that dies during the teacher leaves GPU 0's stream blocked; the
     service still reports NOT_SERVING, but only a restart of its process frees it. Off: every rank runs the
     teacher whole and a dead rank fails the group cleanly."""
+    teacher_staged: bool = False
+    """Split the audio teacher's blocks over the Ulysses group's ranks, one contiguous stage per rank (needs 2+
+    devices, not `teacher_sharded`): a step's hidden rows go from rank to rank by broadcasts on a process group of
+    the teacher's own, between the graph replays, so a dead rank still fails the group cleanly. Each GPU then does
+    1/N of the teacher's work instead of all of it; its steps take as long as before plus the hand-overs. Off:
+    every rank runs the whole teacher."""
     teacher_overlap: bool = False
     """Replay the audio teacher's graphs on their own CUDA stream, from a worker thread, beside the previous phase's
     commit and the first student step of each request (which needs no teacher state); the next steps wait for the
@@ -170,10 +176,13 @@ class DiTConfig:
         if self.teacher_sharded and not (self.cuda_graphs and len(self.devices) > 1):
             raise ValueError("dit.teacher_sharded needs dit.cuda_graphs and 2 or 4 dit.devices (eager teacher steps "
                              "are host-bound and run whole on every rank)")
+        if self.teacher_staged and (len(self.devices) < 2 or self.teacher_sharded):
+            raise ValueError("dit.teacher_staged needs 2 or 4 dit.devices and not dit.teacher_sharded (the teacher's "
+                             "blocks are split over the ranks or its rows are, not both)")
         if self.teacher_overlap and (not self.cuda_graphs or self.teacher_sharded):
             raise ValueError("dit.teacher_overlap needs dit.cuda_graphs and not dit.teacher_sharded (only whole, "
                              "graphed teacher steps run beside the students)")
-        for name in ("merge_lora", "reuse_text_kv"):
+        for name in ("merge_lora", "reuse_text_kv", "teacher_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"dit.{name}={getattr(self, name)!r}: must be true or false")
         if self.attention not in SDPA_KERNELS:

@@ -55,22 +55,23 @@ class AdaLNTable(nn.Module):
         self.register_buffer("final", final, persistent=False)
         self._selections: dict[tuple, torch.Tensor] = {}  # (slot list, device) -> index tensor on that device
 
-    def lookup(self, values: Sequence[float]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Tables for a layout's timestep values: per block [n * 3, 6, C] and final [n, 2, C]."""
+    def lookup(self, values: Sequence[float], blocks: range) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Tables for a layout's timestep values: per block of `blocks` [n * 3, 6, C], and final [n, 2, C]."""
         missing = [v for v in values if v not in self.slot_of]
         if missing:
             raise AdaLNCacheError(f"timesteps {missing} are not in the AdaLN cache (cached: {list(self.timesteps)}); "
                                   "call cache_adaln with every t the schedule uses")
         idx = tuple(self.slot_of[v] for v in values)
+        table = self.blocks[blocks.start:blocks.stop]  # [len(blocks), n_cached, 3, 6, C]
         if idx == tuple(range(len(self.timesteps))):
-            blocks, final = self.blocks, self.final
+            chosen, final = table, self.final
         else:
             key = (idx, self.blocks.device)
             sel = self._selections.get(key)
             if sel is None:  # made once per slot list, never inside a CUDA graph capture (a host-to-device copy)
                 sel = self._selections[key] = torch.tensor(idx, device=self.blocks.device)
-            blocks, final = self.blocks.index_select(1, sel), self.final.index_select(0, sel)
-        return [b.flatten(0, 1) for b in blocks.unbind(0)], final
+            chosen, final = table.index_select(1, sel), self.final.index_select(0, sel)
+        return [b.flatten(0, 1) for b in chosen.unbind(0)], final
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from services.common.cuda_graphs import PromptBuckets
 from services.dit.group import DiTGroup, GroupFailed, RankGroup, worker_loop
 from services.dit.runtime import DiTRuntime
 from services.dit.sp import install_ulysses
+from services.dit.teacher import TeacherStages
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +119,17 @@ def join_ulysses(runtime: DiTRuntime, comm: RankGroup, profile: Profile, rank: i
     """Shard the runtime's DiT over the joined group and check the replicas; then place the audio teacher and
     capture its graphs (`dit.cuda_graphs`; every rank captures the same keys in the same order).
 
-    The teacher's short documents (~700 rows) run whole on every rank, without collectives, unless
-    `dit.teacher_sharded`: then its graphed steps run sharded like every other forward, the all-to-alls captured
-    inside the graphs (faster, but not abortable if a rank dies: see the option).
+    The teacher's short documents (~700 rows) run on every rank without the all-to-alls: whole, or with
+    `dit.teacher_staged` one stage of its blocks per rank, the hidden rows handed over on a group of its own.
+    With `dit.teacher_sharded` its graphed steps run sharded like every other forward, the all-to-alls captured
+    inside the graphs (not abortable if a rank dies: see the option).
     """
     handle = install_ulysses(runtime.model, None, rank, world_size)
     comm.verify_replicas(runtime.model)
     if not profile.dit.teacher_sharded:
         runtime.teacher.placement = handle.local
+    if profile.dit.teacher_staged:  # every rank creates the group, at the same point
+        runtime.teacher.stages = TeacherStages(comm.new_group(), rank, world_size, len(runtime.model.blocks))
     if profile.dit.cuda_graphs:
         runtime.teacher.capture_graphs(PromptBuckets(profile.dit.prompt_buckets))
 

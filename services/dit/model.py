@@ -404,49 +404,68 @@ class DiT(nn.Module):
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"{name} has shape {shape}, expected ({rows}, {width}) for this layout")
 
-    def _modulations(self, layout: PackedLayout) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Per block [n * 3, 6, C] AdaLN tables and the final layer's [n, 2, C] table for the layout's timesteps."""
+    def _modulations(self, layout: PackedLayout, blocks: range) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per block of `blocks` [n * 3, 6, C] AdaLN tables and the final layer's [n, 2, C] table for the layout's
+        timesteps."""
         c = self.args.hidden_size
         if self.adaln_table is not None:
-            return self.adaln_table.lookup(layout.timestep_values)
+            return self.adaln_table.lookup(layout.timestep_values, blocks)
         temb = self.time_embedder(layout.timesteps)  # [n, E] float32
-        blocks = [b.adaln_proj(temb).view(-1, 6, c) for b in self.blocks]
-        return blocks, self.final_layer.adaln_proj(temb).view(-1, 2, c)
+        tables = [self.blocks[i].adaln_proj(temb).view(-1, 6, c) for i in blocks]
+        return tables, self.final_layer.adaln_proj(temb).view(-1, 2, c)
 
     def forward(self, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor, layout: PackedLayout,
                 attention: AttentionPattern, heads: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run one packed document; returns (video_v [Tv, 96], audio_v [Ta, 32]) float32, or None if not heads."""
         # video: [Tv, 96], audio: [Ta, 32], text: [Tt, text_dim]
+        x = self.embed(video, audio, text, layout)
+        x = self.run_blocks(x, layout, attention, range(len(self.blocks)))
+        return self.head(x, layout) if heads else None
+
+    def embed(self, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor, layout: PackedLayout
+              ) -> torch.Tensor:
+        """The packed rows `[S, C]` that enter the first block: input projections, the text through the refiner.
+
+        A layout may have no text rows: the attention pattern then brings the text's K/V recorded earlier."""
+        # video: [Tv, 96], audio: [Ta, 32], text: [Tt, text_dim] -> x: [S, C]
         self._check_inputs(video, audio, text, layout)
         dt, dev, c = self.dtype, self.condition_proj.weight.device, self.args.hidden_size
-        # 1. Input projections; text goes through the refiner (full attention over the real text rows only). A
-        # layout may have no text rows: the attention pattern then brings the text's K/V recorded earlier.
         v_rows = self.video_patch_proj(video.to(dev, self.video_patch_proj.weight.dtype)).to(dt)
         a_rows = self.audio_patch_proj(audio.to(dev, self.audio_patch_proj.weight.dtype)).to(dt)
         x = torch.zeros(layout.seq_len, c, device=dev, dtype=dt)  # [S, C]
-        if layout.text_len:
+        if layout.text_len:  # the refiner: full attention over the real text rows only
             t_rows = self.token_refiner(self.condition_proj(text.to(dev, dt)), layout.text_valid)
             x.index_copy_(0, layout.text_index.to(dev), t_rows)
         x.index_copy_(0, layout.audio_index.to(dev), a_rows)
         x.index_copy_(0, layout.video_index.to(dev), v_rows)
-        # 2. AdaLN tables, per-row table indices and RoPE.
-        block_mods, final_mod = self._modulations(layout)
+        return x
+
+    def run_blocks(self, x: torch.Tensor, layout: PackedLayout, attention: AttentionPattern, blocks: range
+                   ) -> torch.Tensor:
+        """Blocks `blocks` (a contiguous range of layer indices) on the packed rows `[S, C]`, sharded over the
+        sequence shard inside; every block eagerly, or the whole stack replaying the piecewise CUDA graphs captured
+        for its shape (`block_graphs`)."""
+        dev = x.device
+        mods, _ = self._modulations(layout, blocks)  # AdaLN tables, one per block
         cos, sin = self.rope(layout.positions.to(dev))
         shard = self.sequence_shard
-        x = shard.split(x)
+        x = shard.split(x)  # [S, C] -> [S / N, C] on this rank
         rows = shard.split(layout.adaln_rows.to(dev))
-        rope = (shard.split(cos.to(dt)), shard.split(sin.to(dt)))
-        # 3. Blocks: eagerly, or replaying the piecewise CUDA graphs captured for this shape (`block_graphs`).
-        attends = [shard.attend(functools.partial(attention, i)) for i in range(len(self.blocks))]
-        if self.block_graphs is not None and self.block_graphs.covers(x, block_mods):
-            x = self.block_graphs.run(x, block_mods, rows, rope, attends)
+        rope = (shard.split(cos.to(x.dtype)), shard.split(sin.to(x.dtype)))
+        attends = [shard.attend(functools.partial(attention, i)) for i in blocks]
+        whole = blocks == range(len(self.blocks))
+        if whole and self.block_graphs is not None and self.block_graphs.covers(x, mods):
+            x = self.block_graphs.run(x, mods, rows, rope, attends)
         else:
-            for block, table, attend in zip(self.blocks, block_mods, attends):
-                x = block(x, table, rows, rope, attend)
-        x = shard.gather(x)
-        if not heads:
-            return None
-        # 4. Final norm + (shift, scale) per timestep slot, on the video and audio rows only; float32 heads.
+            for i, table, attend in zip(blocks, mods, attends):
+                x = self.blocks[i](x, table, rows, rope, attend)
+        return shard.gather(x)
+
+    def head(self, x: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm + (shift, scale) per timestep slot on the video and audio rows of `x` `[S, C]`, then the
+        float32 heads: (video_v [Tv, 96], audio_v [Ta, 32])."""
+        dev = x.device
+        _, final_mod = self._modulations(layout, range(0))
         sel = torch.cat([layout.video_index, layout.audio_index]).to(dev)
         fm = final_mod.index_select(0, layout.timestep_slot.to(dev).index_select(0, sel))  # [Tv + Ta, 2, C]
         h = self.final_layer.norm(x.index_select(0, sel)) * (1.0 + fm[:, 1]) + fm[:, 0]

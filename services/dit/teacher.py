@@ -9,7 +9,9 @@ the teacher's clean latent.
 On CUDA the 9 forwards are small (~700-900 rows) and bound by the host's kernel dispatch, so `capture_graphs`
 records each step as a CUDA graph at start-up, per prompt-length bucket and audio shape. The prompt is then padded
 to its bucket and the padding rows are masked out as attention keys (`PackedLayout.text_valid`), so the real rows
-compute what the unpadded prompt gives. Under Ulysses the steps run whole on each rank (`placement`), or, with
+compute what the unpadded prompt gives. Under Ulysses the steps run whole on each rank (`placement`); with
+`dit.teacher_staged`, each rank runs one contiguous stage of the blocks (`TeacherStages`) and a step's hidden rows
+go from rank to rank through a process group of the teacher's own, outside the graphs; or, with
 `dit.teacher_sharded`, graphed and sharded over the ranks like any forward (the all-to-alls captured with them).
 
 `start` begins a request's teacher and returns a `TeacherRun` whose states the students wait for one by one. With
@@ -29,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, ContextManager, Sequence
 
 import torch
+import torch.distributed as dist
 
 from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request, plans_of_every_shape
@@ -60,17 +63,57 @@ def step_layout(step: int, text_len: int, n_tail: int, num: int, pos_text: torch
                        video_t=t, text_t=t, audio_timesteps=row_t).to(device)
 
 
-def step_forward(model: DiT, layout: PackedLayout) -> Callable[..., torch.Tensor]:
-    """`fn(doc, text, positions, text_valid)` -> audio velocity `[Ta, 32]` of one teacher step on `layout`.
+def step_forward(model: DiT, layout: PackedLayout, blocks: range | None = None, first: bool = True,
+                 last: bool = True) -> Callable[..., torch.Tensor]:
+    """`fn(x, text, positions, text_valid)` of one teacher step on `layout`, or of one stage of it: the blocks
+    `blocks` (default all), from the audio rows `x` = `[Ta, 32]` when `first` (else from the hidden rows `[S, C]`
+    the stage before returned), to the audio velocity `[Ta, 32]` when `last` (else to the hidden rows).
 
     Positions and the text mask change with every request, so they are inputs (static buffers of a graph).
     """
-    def fn(doc: torch.Tensor, text: torch.Tensor, positions: torch.Tensor, text_valid: torch.Tensor) -> torch.Tensor:
-        # doc: [Ta, 32] float32, text: [Tt, text_dim], positions: [S, 3], text_valid: [Tt] bool
+    blocks = range(len(model.blocks)) if blocks is None else blocks
+
+    def fn(x: torch.Tensor, text: torch.Tensor, positions: torch.Tensor, text_valid: torch.Tensor) -> torch.Tensor:
+        # x: [Ta, 32] float32 or [S, C]; text: [Tt, text_dim], positions: [S, 3], text_valid: [Tt] bool
         lay = replace(layout, positions=positions, text_valid=text_valid)
-        video = torch.zeros(0, model.args.video_row_dim, device=doc.device)
-        return model(video, doc, text, lay, FullAttention(lay))[1]
+        if first:
+            video = torch.zeros(0, model.args.video_row_dim, device=x.device)
+            x = model.embed(video, x, text, lay)
+        x = model.run_blocks(x, lay, FullAttention(lay), blocks)
+        return model.head(x, lay)[1] if last else x
     return fn
+
+
+@dataclass(frozen=True)
+class TeacherStages:
+    """The teacher's blocks split over the ranks of `group`, one contiguous stage per rank (`dit.teacher_staged`).
+
+    Every rank holds all the weights but runs only its own stage of each step: rank 0 the input projections and the
+    first blocks, the last rank the last blocks, the head and the Euler step. Between stages the hidden rows are
+    broadcast from the rank that made them, and the new audio state from the last rank; so every rank does 1/N of
+    the teacher's work instead of all of it, and holds every state. The broadcasts run eagerly between the graph
+    replays, on a group of the teacher's own (it may replay beside the students, whose all-to-alls use the
+    default group).
+    """
+
+    group: "dist.ProcessGroup"
+    rank: int
+    world_size: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size or self.world_size > self.num_layers:
+            raise ValueError(f"teacher stages: rank {self.rank} of {self.world_size} over {self.num_layers} blocks")
+
+    def blocks(self, rank: int) -> range:
+        """The blocks of `rank`'s stage: an even split, the first ranks taking one more when it does not divide."""
+        per, extra = divmod(self.num_layers, self.world_size)
+        start = rank * per + min(rank, extra)
+        return range(start, start + per + (rank < extra))
+
+    @property
+    def last(self) -> int:
+        return self.world_size - 1
 
 
 class TeacherRun:
@@ -136,6 +179,9 @@ class AudioTeacher:
         self.placement: Callable[[], ContextManager] = nullcontext
         """Where the teacher's forwards (and captures) run; sequence parallelism sets it (from outside) to run them
         whole on each rank."""
+        self.stages: TeacherStages | None = None
+        """With `dit.teacher_staged` (set from outside, before `capture_graphs`): this rank runs only its stage of
+        every step; None runs whole steps."""
         self.graphs: CudaGraphBank | None = None
         """The captured steps (`capture_graphs`); None runs each step eagerly on the prompt's exact rows."""
         self.buckets: PromptBuckets | None = None
@@ -168,8 +214,8 @@ class AudioTeacher:
                     for step in range(STEPS):
                         layout = step_layout(step, size, n_tail, num, torch.zeros(size, 3),
                                              torch.zeros(2 * (n_tail + num), 3), dev)
-                        inputs = [doc, text, layout.positions, valid]
-                        bank.capture(_key(inputs, step, n_tail), step_forward(self.model, layout), inputs)
+                        inputs = self._stage_inputs(layout, [doc, text, layout.positions, valid])
+                        bank.capture(_key(inputs, step, n_tail, num), self._step_fn(layout), inputs)
         bank.seal()
         self.graphs, self.buckets = bank, buckets
         log.info("teacher: %d step graphs captured in %.1f s (buckets %s, audio shapes %s)", len(bank),
@@ -264,37 +310,85 @@ class AudioTeacher:
         rows = x if doc.tail is None else torch.cat([doc.tail, x], dim=1)  # [2, n_tail + A, 32]
         return layout, [rows.reshape(-1, x.shape[2]), doc.text, layout.positions, doc.valid]
 
+    def _step_fn(self, layout: PackedLayout) -> Callable[..., torch.Tensor]:
+        """This rank's part of a step on `layout`: the whole step, or its stage of it."""
+        st = self.stages
+        if st is None:
+            return step_forward(self.model, layout)
+        return step_forward(self.model, layout, st.blocks(st.rank), first=st.rank == 0, last=st.rank == st.last)
+
+    def _stage_inputs(self, layout: PackedLayout, inputs: list[torch.Tensor],
+                      hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """This rank's step inputs: `inputs` on the first stage; after it, the hidden rows `[S, C]` from the stage
+        before (zeros of their shape when `hidden` is None: for a capture or a key) instead of the audio rows."""
+        if self.stages is None or self.stages.rank == 0:
+            return inputs
+        if hidden is None:
+            hidden = torch.zeros(layout.seq_len, self.model.args.hidden_size, dtype=self.model.dtype,
+                                 device=inputs[1].device)
+        return [hidden, *inputs[1:]]
+
     def _captured(self, doc: _Document) -> bool:
         """Whether every step of this document has a graph (a miss would run eagerly, which needs `run`)."""
         if self.graphs is None or not self.graphs.enabled:
             return False
-        _, inputs = self._inputs(doc, 0, doc.noise)  # every step's inputs have step 0's shapes
-        return all(_key(inputs, step, doc.n_tail) in self.graphs for step in range(STEPS))
+        layout, inputs = self._inputs(doc, 0, doc.noise)  # every step's inputs have step 0's shapes
+        inputs = self._stage_inputs(layout, inputs)
+        return all(_key(inputs, step, doc.n_tail, doc.noise.shape[1]) in self.graphs for step in range(STEPS))
 
     def _steps(self, doc: _Document, cancel: CancelToken | None, publish: Callable[[int, torch.Tensor], None],
                replay_only: bool) -> None:
         """The 9 Euler steps; `publish(i, state)` after each milestone. `replay_only` never runs a step eagerly."""
         x = doc.noise  # [2, A, 32]
-        n_tail, ch = doc.n_tail, x.shape[2]
         for i in range(STEPS):
             if cancel is not None:
                 cancel.check()
             layout, inputs = self._inputs(doc, i, x)
-            if self.graphs is None:
-                out = step_forward(self.model, layout)(inputs[0], doc.text, layout.positions, None)
-            elif replay_only:
-                out = self.graphs.replay(_key(inputs, i, n_tail), inputs)
+            if self.stages is None:
+                x = self._euler(doc, i, x, self._forward(doc, i, layout, inputs, replay_only))
             else:
-                out = self.graphs.run(_key(inputs, i, n_tail), step_forward(self.model, layout), inputs)
-            v = out.reshape(2, n_tail + x.shape[1], ch)[:, n_tail:]  # [2, A, 32]
-            x = euler_step(x, v, TEACHER_SIGMAS[i], TEACHER_SIGMAS[i + 1])
+                x = self._staged_step(doc, i, x, layout, inputs, replay_only)
             if i + 1 in TEACHER_MILESTONES:
                 publish(TEACHER_MILESTONES.index(i + 1), x.clone())
 
+    def _forward(self, doc: _Document, step: int, layout: PackedLayout, inputs: list[torch.Tensor],
+                 replay_only: bool) -> torch.Tensor:
+        """This rank's part of `step` (see `_step_fn`) on `inputs`: its graph replayed, or eagerly."""
+        if self.graphs is None:
+            return self._step_fn(layout)(*inputs)
+        key = _key(inputs, step, doc.n_tail, doc.noise.shape[1])
+        if replay_only:
+            return self.graphs.replay(key, inputs)
+        return self.graphs.run(key, self._step_fn(layout), inputs)
 
-def _key(inputs: Sequence[torch.Tensor], step: int, n_tail: int) -> GraphKey:
-    """The graph of teacher step `step` for these inputs and tail length."""
-    return GraphKey.for_inputs("teacher", inputs, tag=(step, n_tail))
+    def _staged_step(self, doc: _Document, step: int, x: torch.Tensor, layout: PackedLayout,
+                     inputs: list[torch.Tensor], replay_only: bool) -> torch.Tensor:
+        """One step over the stages: each rank runs its stage when the hidden rows reach it; the last rank's new
+        state `[2, A, 32]` goes to every rank."""
+        st = self.stages
+        out = hidden = None
+        for r in range(st.world_size):
+            if r == st.rank:
+                out = self._forward(doc, step, layout, self._stage_inputs(layout, inputs, hidden), replay_only)
+            if r < st.last:  # stage r's hidden rows [S, C] to every rank (the next stage takes them)
+                hidden = out if r == st.rank else torch.empty(layout.seq_len, self.model.args.hidden_size,
+                                                               dtype=self.model.dtype, device=x.device)
+                dist.broadcast(hidden, group=st.group, group_src=r)
+        x = self._euler(doc, step, x, out) if st.rank == st.last else torch.empty_like(x)
+        dist.broadcast(x, group=st.group, group_src=st.last)
+        return x
+
+    @staticmethod
+    def _euler(doc: _Document, step: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The state after `step` from the step's output `out` `[2 * (n_tail + A), 32]` (tail rows dropped)."""
+        v = out.reshape(2, doc.n_tail + x.shape[1], x.shape[2])[:, doc.n_tail:]  # [2, A, 32]
+        return euler_step(x, v, TEACHER_SIGMAS[step], TEACHER_SIGMAS[step + 1])
+
+
+def _key(inputs: Sequence[torch.Tensor], step: int, n_tail: int, num: int) -> GraphKey:
+    """The graph of teacher step `step` for these inputs, tail and new audio latents per channel (a later stage's
+    inputs are padded rows, the same for documents of a few latents more or less)."""
+    return GraphKey.for_inputs("teacher", inputs, tag=(step, n_tail, num))
 
 
 def _sync(device: torch.device) -> None:

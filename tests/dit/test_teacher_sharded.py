@@ -90,7 +90,7 @@ def test_sharded_teacher_graphs_replay_like_eager_on_two_gpus(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _graphed_group(timeout_s: float, sharded: bool, overlap: bool = False):
+def _graphed_group(timeout_s: float, sharded: bool, overlap: bool = False, staged: bool = False):
     from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
     from services.dit.group import DiTGroup
     from services.dit.launch import GroupOptions
@@ -101,7 +101,7 @@ def _graphed_group(timeout_s: float, sharded: bool, overlap: bool = False):
                       encoder=EncoderConfig(max_tokens=TEXT_TOKENS),
                       dit=DiTConfig(devices=("cuda:0", "cuda:1"), dtype="bfloat16", canvas_short_edges=(64,),
                                     cuda_graphs=True, prompt_buckets=(8, TEXT_TOKENS), teacher_sharded=sharded,
-                                    teacher_overlap=overlap))
+                                    teacher_overlap=overlap, teacher_staged=staged))
     return DiTGroup.start(profile, build_tiny, GroupOptions(timeout_s=timeout_s, heartbeat_s=2))
 
 
@@ -133,16 +133,20 @@ def test_graphed_group_serves_and_shuts_down_cleanly():
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_graphed_group_fails_cleanly_when_a_rank_dies_mid_phase():
-    # The teacher whole on each rank and replayed beside the students (the usp2 profile): with `teacher_sharded` the
-    # graphs hold NCCL work that an abort cannot stop (seen on 2xH200: "Future for ProcessGroup abort timed out",
-    # rank 0's stream stays blocked).
+@pytest.mark.parametrize("staged", [False, True], ids=["teacher_whole", "teacher_staged"])
+def test_graphed_group_fails_cleanly_when_a_rank_dies_mid_phase(staged):
+    # The teacher replayed beside the students, whole on each rank or staged over them (its hand-overs eager, on a
+    # group of its own): with `teacher_sharded` the graphs hold NCCL work that an abort cannot stop (seen on
+    # 2xH200: "Future for ProcessGroup abort timed out", rank 0's stream stays blocked).
     from services.dit.group import GroupFailed
 
-    group = _graphed_group(timeout_s=15, sharded=False, overlap=True)
+    group = _graphed_group(timeout_s=15, sharded=False, overlap=True, staged=staged)
     try:
         session = _open(group)
         session.next_phase()
+        if staged:  # the staged teacher served a request beside the students, from its graphs
+            stats = group.runtime.teacher.graphs.stats
+            assert stats.misses == 0 and stats.replays == STEPS
         thread, raised = phases_in_thread(session)
         thread.start()
         time.sleep(0.3)

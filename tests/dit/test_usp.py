@@ -44,9 +44,9 @@ def build_tiny(profile: Profile, device: torch.device) -> DiTRuntime:
     return runtime
 
 
-def tiny_profile(devices: tuple[str, ...], dtype: str = "float32") -> Profile:
+def tiny_profile(devices: tuple[str, ...], dtype: str = "float32", teacher_staged: bool = False) -> Profile:
     return Profile(name="usp-test", model=ModelConfig(preset="tiny", dir="/nonexistent"),
-                   dit=DiTConfig(devices=devices, dtype=dtype, canvas_short_edges=(64,)))
+                   dit=DiTConfig(devices=devices, dtype=dtype, canvas_short_edges=(64,), teacher_staged=teacher_staged))
 
 
 def forward_inputs(device: str = "cpu"):
@@ -160,7 +160,8 @@ def run_or_raise(fn):
 
 
 @pytest.mark.cpu
-def test_usp2_streaming_session_matches_one_rank():
+@pytest.mark.parametrize("staged", [False, True], ids=["teacher_whole", "teacher_staged"])
+def test_usp2_streaming_session_matches_one_rank(staged):
     gen = torch.Generator().manual_seed(11)
     prompts = [PromptUpdate(torch.randn(6, ARGS.text_dim, generator=gen), "e0"),
                PromptUpdate(torch.randn(9, ARGS.text_dim, generator=gen), "e1"),
@@ -172,8 +173,10 @@ def test_usp2_streaming_session_matches_one_rank():
     session.close()
     assert [o.meta.active_event_id for o in ref[::4]] == ["e0", "e1", "fallback"]
 
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
+    group = DiTGroup.start(tiny_profile(("cpu", "cpu"), teacher_staged=staged), build_tiny,
+                           GroupOptions(timeout_s=30, heartbeat_s=2))
     try:
+        assert (group.runtime.teacher.stages is not None) == staged
         session = group.open_session(session_config(), prompts[0], prompts[2])
         assert group.active_session is session
         outs = drive(session, prompts)
