@@ -91,11 +91,12 @@ class RankGroup:
         except (RuntimeError, OSError, ValueError) as exc:
             raise GroupFailed(f"rank {rank} could not join the DiT group at {init_method}: {exc}") from exc
 
-    def new_group(self) -> "dist.ProcessGroup":
-        """Another group of every rank, on the device group's backend and timeout, for work that runs beside the
-        device group's (its own communicator). Every rank must call this at the same point; a failure of the group
-        aborts it with the others."""
-        return dist.new_group(ranks=list(range(self.world_size)), timeout=self.timeout)
+    def host_group(self) -> "dist.ProcessGroup":
+        """Another group of every rank, on gloo (host tensors) with the group's timeout, for work that runs beside
+        the device group's collectives from another thread. Not a second NCCL communicator: NCCL requires that
+        operations on two communicators never overlap (two that did hung the DiT group on 2xH200). Every rank must
+        call this at the same point."""
+        return dist.new_group(ranks=list(range(self.world_size)), timeout=self.timeout, backend="gloo")
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` once when the group fails (from whichever thread notices)."""

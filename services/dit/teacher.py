@@ -92,8 +92,9 @@ class TeacherStages:
     first blocks, the last rank the last blocks, the head and the Euler step. Between stages the hidden rows are
     broadcast from the rank that made them, and the new audio state from the last rank; so every rank does 1/N of
     the teacher's work instead of all of it, and holds every state. The broadcasts run eagerly between the graph
-    replays, on a group of the teacher's own (it may replay beside the students, whose all-to-alls use the
-    default group).
+    replays, through host memory on a gloo `group` of the teacher's own: the teacher replays beside the students,
+    whose all-to-alls run on the NCCL group, and NCCL forbids operations on two communicators that overlap (a
+    second NCCL group here hung the DiT group on 2xH200). A hand-over of a 1,000-row document is ~14 MB.
     """
 
     group: "dist.ProcessGroup"
@@ -189,6 +190,7 @@ class AudioTeacher:
         self.overlap = False
         """Replay the captured steps beside the caller (`start`); set from `dit.teacher_overlap`. Only for steps
         without collectives: a sharded teacher's all-to-alls must not interleave with the students'."""
+        self._host: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> pinned buffer of the staged hand-overs
         self._stream: "torch.cuda.Stream | None" = None
         self._worker: ThreadPoolExecutor | None = None
         self._last: Future | None = None  # the latest run's end: runs never overlap each other (one graph pool)
@@ -371,12 +373,29 @@ class AudioTeacher:
             if r == st.rank:
                 out = self._forward(doc, step, layout, self._stage_inputs(layout, inputs, hidden), replay_only)
             if r < st.last:  # stage r's hidden rows [S, C] to every rank (the next stage takes them)
-                hidden = out if r == st.rank else torch.empty(layout.seq_len, self.model.args.hidden_size,
-                                                               dtype=self.model.dtype, device=x.device)
-                dist.broadcast(hidden, group=st.group, group_src=r)
-        x = self._euler(doc, step, x, out) if st.rank == st.last else torch.empty_like(x)
-        dist.broadcast(x, group=st.group, group_src=st.last)
-        return x
+                hidden = self._hand_over(out, (layout.seq_len, self.model.args.hidden_size), self.model.dtype,
+                                         x.device, src=r, keep=r + 1 == st.rank)
+        new = self._euler(doc, step, x, out) if st.rank == st.last else None
+        return self._hand_over(new, tuple(x.shape), x.dtype, x.device, src=st.last, keep=True)
+
+    def _hand_over(self, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                   src: int, keep: bool) -> torch.Tensor | None:
+        """Broadcast `t` (given on rank `src` only) over the stages' group through host memory; returns it on
+        `device` where `keep` (None elsewhere). The copy to the host waits for `t`'s stage; the copy back for
+        this rank's queued teacher work, so the host buffer is free again when the next hand-over fills it."""
+        st = self.stages
+        if device.type == "cpu":
+            host = t if st.rank == src else torch.empty(shape, dtype=dtype)
+        else:
+            host = self._host.get((shape, dtype))
+            if host is None:  # page-locked, one per shape: the copies run at full speed
+                host = self._host[(shape, dtype)] = torch.empty(shape, dtype=dtype, pin_memory=True)
+            if st.rank == src:
+                host.copy_(t)
+        dist.broadcast(host, group=st.group, group_src=src)
+        if st.rank == src:
+            return t
+        return host.to(device, copy=True) if keep else None
 
     @staticmethod
     def _euler(doc: _Document, step: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""The audio teacher staged over a group (`dit.teacher_staged`): each rank runs one contiguous stage of the blocks
-and hands the hidden rows on; every rank ends with the states one rank's whole teacher gives, bit for bit (the same
-operations in the same order), for 2 ranks and for 4 ranks over an uneven split; on two GPUs the stages' graphs,
-replayed beside the caller on the teacher's stream, give the whole teacher's graphed states bitwise."""
+"""The audio teacher staged over a group (`dit.teacher_staged`): each rank runs one contiguous stage of the
+blocks and hands the hidden rows on (through host memory, on a gloo group); every rank ends with the states one
+rank's whole teacher gives, bit for bit (the same operations in the same order), for 2 ranks and for 4 ranks over
+an uneven split; on two GPUs the stages' graphs, replayed beside the caller on the teacher's stream, give the whole
+teacher's graphed states bitwise."""
 
 import dataclasses
 import os
@@ -101,7 +102,8 @@ def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         whole = AudioTeacher(model, None)
         whole.capture_graphs(BUCKETS)
         staged = AudioTeacher(model, None)
-        staged.stages = TeacherStages(dist.new_group(list(range(world))), rank, world, ARGS.num_layers)
+        host_group = dist.new_group(list(range(world)), backend="gloo")  # as `RankGroup.host_group`
+        staged.stages = TeacherStages(host_group, rank, world, ARGS.num_layers)
         staged.capture_graphs(BUCKETS)
         staged.overlap = True
         got, ref = [], []
