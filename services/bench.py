@@ -404,12 +404,14 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
                      f"{tot['commit']:6.3f} | {tot['transport']:9.3f} | {tot['video_decode']:7.3f} | "
                      f"{tot['audio_decode']:7.3f} | {tot['mux']:4.3f} | {delivered:11.3f} | {delivered / media:.2f} | "
                      f"{(lin + att) / 1e15:5.2f} | {floor:7.3f} | {tot['dit'] / floor:9.2f} | {memory}")
-    if opts.requests > 1:
-        steady = [r for r in records if r["request"] >= 1]
+    # Steady state: requests 1.., up to a traced request (collecting its kernels stalls the session for seconds).
+    last = opts.requests - 1 if opts.trace_request < 0 else opts.trace_request - 1
+    if last >= 1:
+        steady = [r for r in records if 1 <= r["request"] <= last]
         media = sum(r["frames"] for r in steady) / VIDEO_FPS
         span = steady[-1]["delivered"] - records[PHASES_PER_REQUEST - 1]["delivered"]
-        lines.append(f"steady state (requests 1..{opts.requests - 1}): {span:.2f} s for {media:.2f} s of media, "
-                     f"RTF {span / media:.3f}")
+        lines.append(f"steady state (requests 1..{last}{', before the traced one' if last < opts.requests - 1 else ''})"
+                     f": {span:.2f} s for {media:.2f} s of media, RTF {span / media:.3f}")
         for p in range(PHASES_PER_REQUEST):  # where a steady request's time goes, phase by phase
             rs = [r for r in steady if r["phase"] == p]
             mean = {s: statistics.mean(r[s] for r in rs) for s in ("dit", "student", "commit", "video_decode")}

@@ -52,8 +52,9 @@ def busy_us(kernels: Sequence[Kernel]) -> float:
     return total
 
 
-def summary(kernels: Sequence[Kernel], wall_s: float) -> list[str]:
-    """One line per device: busy share of `wall_s`, then kernel seconds by category (they overlap across streams)."""
+def summary(kernels: Sequence[Kernel], wall_s: float, top: int = 15) -> list[str]:
+    """Per device: its busy share of `wall_s` and kernel seconds by category (they overlap across streams), then
+    the `top` kernels by GPU seconds."""
     if not kernels:
         return ["no GPU kernels recorded (a CPU run, or nothing ran)"]
     lines = []
@@ -66,7 +67,19 @@ def summary(kernels: Sequence[Kernel], wall_s: float) -> list[str]:
         parts = ", ".join(f"{name} {sec:.3f}" for name, sec in sorted(by.items(), key=lambda kv: -kv[1]))
         lines.append(f"cuda:{dev}: busy {busy:.3f} of {wall_s:.3f} s ({100 * busy / wall_s:.0f}%); kernel seconds "
                      f"by kind: {parts} ({len(mine)} kernels)")
+        lines += [f"  {sec:7.3f} s {n:6d}x {kind:9s} {name[:110]}" for name, kind, sec, n in top_kernels(mine, top)]
     return lines
+
+
+def top_kernels(kernels: Sequence[Kernel], n: int) -> list[tuple[str, str, float, int]]:
+    """The `n` kernel names with the most GPU seconds: (name, kind, seconds, launches), most first."""
+    by: dict[str, list[float]] = {}
+    for k in kernels:
+        entry = by.setdefault(k.name, [0.0, 0])
+        entry[0] += (k.end_us - k.start_us) / 1e6
+        entry[1] += 1
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name, category(name), sec, int(count)) for name, (sec, count) in ranked]
 
 
 class KernelTrace:

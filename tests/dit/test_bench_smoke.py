@@ -40,12 +40,13 @@ def test_bench_runs_on_the_tiny_preset():
 @pytest.mark.cpu
 def test_bench_without_the_vae_counts_delivery_at_the_dit():
     run = subprocess.run([sys.executable, "-m", "services.bench", "--preset", "tiny", "--devices", "cpu",
-                          "--width", "320", "--height", "192", "--requests", "2", "--prompt-tokens", "40",
-                          "--no-vae", "--merge-lora", "--trace-request", "1"], capture_output=True, text=True,
+                          "--width", "320", "--height", "192", "--requests", "3", "--prompt-tokens", "40",
+                          "--no-vae", "--merge-lora", "--trace-request", "2"], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "no VAE (--no-vae)" in run.stdout and "merge_lora=True" in run.stdout
-    assert "request 1 traced" in run.stdout and "no GPU kernels recorded" in run.stdout  # a CPU run
+    assert "request 2 traced" in run.stdout and "no GPU kernels recorded" in run.stdout  # a CPU run
+    assert "steady state (requests 1..1, before the traced one)" in run.stdout  # its stall is left out
     row = next(line for line in run.stdout.splitlines() if line.strip().startswith("1 |"))
     cells = [c.strip() for c in row.split("|")]
     assert float(cells[6]) == 0 and float(cells[1]) > 0 and float(cells[9]) > 0  # no decode; DiT and delivery
@@ -60,7 +61,7 @@ def test_bench_takes_its_options_from_a_profile():
     assert set(usp2) == set(PROFILE_OPTIONS)
     assert usp2 == dict(preset="full", devices="cuda:0,cuda:1", width=864, height=480, max_tokens=512, fp8=True,
                         adaln_cache=True, cuda_graphs=True, prompt_buckets="128,256,384,512", attention="cudnn",
-                        merge_lora=False, teacher_sharded=False, teacher_overlap=True, teacher_staged=False,
+                        merge_lora=False, teacher_sharded=False, teacher_overlap=True, teacher_staged=True,
                         reuse_text_kv=True,
                         tile_overlap=32, vae_tile_devices="cuda:0", vae_compile=True, vae_graphs=True, window=2)
     usp2_vae_on_0 = load_profile(ROOT / "configs" / "usp2_fp8.yaml", {"vae": {"device": "cuda:0", "tile_devices": []}})
