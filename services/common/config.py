@@ -137,10 +137,11 @@ class DiTConfig:
     teacher whole and a dead rank fails the group cleanly."""
     teacher_staged: bool = False
     """Split the audio teacher's blocks over the Ulysses group's ranks, one contiguous stage per rank (needs 2+
-    devices, not `teacher_sharded`): a step's hidden rows go from rank to rank by broadcasts on a process group of
-    the teacher's own, between the graph replays, so a dead rank still fails the group cleanly. Each GPU then does
-    1/N of the teacher's work instead of all of it; its steps take as long as before plus the hand-overs. Off:
-    every rank runs the whole teacher."""
+    devices, not `teacher_sharded`): a step's hidden rows go from rank to rank through host memory, on a gloo group
+    of the teacher's own, between the graph replays, so a dead rank still fails the group cleanly. Each GPU then
+    does 1/N of the teacher's work instead of all of it; its steps take as long as before plus the hand-overs (a
+    few ms each). On 2xH200: 0.12 s less DiT time per request, 0.07 s less to the first chunk (usp2_fp8; see
+    docs/benchmarks.md §4.7). Off: every rank runs the whole teacher."""
     teacher_overlap: bool = False
     """Replay the audio teacher's graphs on their own CUDA stream, from a worker thread, beside the previous phase's
     commit and the first student step of each request (which needs no teacher state); the next steps wait for the

@@ -11,7 +11,7 @@ records each step as a CUDA graph at start-up, per prompt-length bucket and audi
 to its bucket and the padding rows are masked out as attention keys (`PackedLayout.text_valid`), so the real rows
 compute what the unpadded prompt gives. Under Ulysses the steps run whole on each rank (`placement`); with
 `dit.teacher_staged`, each rank runs one contiguous stage of the blocks (`TeacherStages`) and a step's hidden rows
-go from rank to rank through a process group of the teacher's own, outside the graphs; or, with
+go from rank to rank through host memory on a gloo group of the teacher's own, outside the graphs; or, with
 `dit.teacher_sharded`, graphed and sharded over the ranks like any forward (the all-to-alls captured with them).
 
 `start` begins a request's teacher and returns a `TeacherRun` whose states the students wait for one by one. With
