@@ -323,7 +323,7 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
             t1 = time.perf_counter()
             if traced and p == PHASES_PER_REQUEST - 1:
                 trace.stop()
-            if p == 0 and opts.cuda_graphs:
+            if p == 0 and (opts.cuda_graphs or opts.teacher_staged):  # the hook sees no graph and no stage
                 flops.add_teacher(prompt_tokens[k], k)
             rec.update(dit=t1 - t0, teacher=out.meta.timings.teacher_s, student=out.meta.timings.student_s,
                        commit=out.meta.timings.commit_s, frames=out.meta.num_frames)

@@ -72,12 +72,15 @@ def step_forward(model: DiT, layout: PackedLayout, blocks: range | None = None, 
     Positions and the text mask change with every request, so they are inputs (static buffers of a graph).
     """
     blocks = range(len(model.blocks)) if blocks is None else blocks
+    whole = first and last and blocks == range(len(model.blocks))
 
     def fn(x: torch.Tensor, text: torch.Tensor, positions: torch.Tensor, text_valid: torch.Tensor) -> torch.Tensor:
         # x: [Ta, 32] float32 or [S, C]; text: [Tt, text_dim], positions: [S, 3], text_valid: [Tt] bool
         lay = replace(layout, positions=positions, text_valid=text_valid)
+        video = torch.zeros(0, model.args.video_row_dim, device=x.device)
+        if whole:  # a whole step is one forward (its hooks see it)
+            return model(video, x, text, lay, FullAttention(lay))[1]
         if first:
-            video = torch.zeros(0, model.args.video_row_dim, device=x.device)
             x = model.embed(video, x, text, lay)
         x = model.run_blocks(x, lay, FullAttention(lay), blocks)
         return model.head(x, lay)[1] if last else x

@@ -114,8 +114,11 @@ def _open(group):
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_graphed_group_serves_and_shuts_down_cleanly():
-    group = _graphed_group(timeout_s=30, sharded=True)
+@pytest.mark.parametrize("placement", ["sharded", "staged"])
+def test_graphed_group_serves_and_shuts_down_cleanly(placement):
+    # sharded: the graphs hold the group's communicator; staged: the hand-overs' gloo group must go with the rest
+    group = _graphed_group(timeout_s=30, sharded=placement == "sharded", overlap=placement == "staged",
+                           staged=placement == "staged")
     try:
         session = _open(group)
         for _ in range(5):  # request 0 and the first phase of request 1: two teacher runs
