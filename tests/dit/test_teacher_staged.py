@@ -2,10 +2,11 @@
 blocks and hands the hidden rows on (through host memory, on a gloo group); every rank ends with the states one
 rank's whole teacher gives, bit for bit (the same operations in the same order), for 2 ranks and for 4 ranks over
 an uneven split; on two GPUs the stages' graphs, replayed beside the caller on the teacher's stream, give the whole
-teacher's graphed states bitwise."""
+teacher's graphed states bitwise; a stage that raises on one rank fails the group at once, not after its timeout."""
 
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -132,3 +133,49 @@ def test_staged_teacher_graphs_beside_the_caller_equal_the_whole_teacher_on_two_
         assert got["misses"] == 0 and got["replays"] == STEPS * len(REQUESTS)
         for staged, whole in zip(got["staged"], got["whole"]):
             assert all(torch.equal(a, b) for a, b in zip(staged, whole))
+
+
+def _build_with_a_failing_stage(profile, device):
+    """The tiny group builder, with rank 1's teacher raising in its first hand-over of request 1 (its second run)."""
+    from tests.dit.test_usp import build_tiny
+
+    runtime = build_tiny(profile, device)
+    teacher, real, calls = runtime.teacher, runtime.teacher._hand_over, []
+
+    def hand_over(*args, **kwargs):
+        calls.append(1)
+        if teacher.stages.rank == 1 and len(calls) > 2 * STEPS:  # request 0's steps: 2 hand-overs each
+            raise RuntimeError("injected: rank 1's teacher stage failed")
+        return real(*args, **kwargs)
+
+    teacher._hand_over = hand_over
+    return runtime
+
+
+@pytest.mark.cpu
+def test_a_failing_stage_fails_the_group_promptly():
+    from services.dit.api import PromptUpdate, SessionConfig
+    from services.dit.group import DiTGroup, GroupFailed
+    from services.dit.launch import GroupOptions
+    from tests.dit.test_usp import CANVAS, tiny_profile
+
+    failures: list[str] = []
+    group = DiTGroup.start(tiny_profile(("cpu", "cpu"), teacher_staged=True), _build_with_a_failing_stage,
+                           GroupOptions(timeout_s=30, heartbeat_s=2))
+    group.on_failure(failures.append)
+    try:
+        session = group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1]),
+                                     PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+        started = time.monotonic()
+        with pytest.raises(GroupFailed):
+            for _ in range(8):  # request 0 serves; request 1's teacher fails on rank 1
+                session.next_phase()
+        # rank 1 left, so rank 0's hand-over saw a closed connection: well before the 30 s group timeout
+        assert time.monotonic() - started < 20
+        assert session.local.request_index == 1 and group.failed and len(failures) == 1
+        assert "rank 1" in failures[0] or "Connection closed by peer" in failures[0], failures  # names the cause
+        session.cancel()
+        assert session.kv is None and group.active_session is None
+    finally:
+        group.shutdown(timeout_s=5)
+    assert not dist.is_initialized()
