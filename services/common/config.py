@@ -140,7 +140,7 @@ class DiTConfig:
     devices, not `teacher_sharded`): a step's hidden rows go from rank to rank through host memory, on a gloo group
     of the teacher's own, between the graph replays, so a dead rank still fails the group cleanly. Each GPU then
     does 1/N of the teacher's work instead of all of it; its steps take as long as before plus the hand-overs (a
-    few ms each). On 2xH200: 0.12 s less DiT time per request, 0.07 s less to the first chunk (usp2_fp8; see
+    few ms each). On 2xH200: 0.06-0.2 s less DiT time per request, 0.02-0.1 s less to the first chunk (see
     docs/benchmarks.md §4.7). Off: every rank runs the whole teacher."""
     teacher_overlap: bool = False
     """Replay the audio teacher's graphs on their own CUDA stream, from a worker thread, beside the previous phase's
