@@ -65,9 +65,11 @@ def qkv_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Proce
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One all-to-all: sequence-sharded q/k/v -> every row for this rank's H/N heads."""
     # q, k, v: [S/N, H, D] -> [S, H/N, D] each
-    packed = torch.stack([q, k, v])  # [3, S/N, H, D]
-    # chunk j of dim 0 goes to rank j: the heads [j * H/N, (j + 1) * H/N) of every local row
-    send = rearrange(packed, "t s (n h) d -> n t s h d", n=world_size).contiguous()
+    # chunk j of dim 0 goes to rank j: the heads [j * H/N, (j + 1) * H/N) of every local row. Each of q, k, v is
+    # written once, straight into its place (no stacked copy first).
+    send = q.new_empty(world_size, 3, q.shape[0], q.shape[1] // world_size, q.shape[2])  # [N, 3, S/N, H/N, D]
+    for t, x in enumerate((q, k, v)):
+        send[:, t].copy_(rearrange(x, "s (n h) d -> n s h d", n=world_size))
     recv = torch.empty_like(send)  # chunk i came from rank i: its rows, our heads
     dist.all_to_all_single(recv, send, group=group)
     full = rearrange(recv, "n t s h d -> t (n s) h d")
