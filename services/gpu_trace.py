@@ -60,26 +60,26 @@ def summary(kernels: Sequence[Kernel], wall_s: float, top: int = 15) -> list[str
     lines = []
     for dev in sorted({k.device for k in kernels}):
         mine = [k for k in kernels if k.device == dev]
+        ranked = top_kernels(mine, len(mine))
         by: dict[str, float] = {}
-        for k in mine:
-            by[category(k.name)] = by.get(category(k.name), 0.0) + (k.end_us - k.start_us) / 1e6
+        for _, kind, sec, _ in ranked:
+            by[kind] = by.get(kind, 0.0) + sec
         busy = busy_us(mine) / 1e6
         parts = ", ".join(f"{name} {sec:.3f}" for name, sec in sorted(by.items(), key=lambda kv: -kv[1]))
         lines.append(f"cuda:{dev}: busy {busy:.3f} of {wall_s:.3f} s ({100 * busy / wall_s:.0f}%); kernel seconds "
                      f"by kind: {parts} ({len(mine)} kernels)")
-        lines += [f"  {sec:7.3f} s {n:6d}x {kind:9s} {name[:110]}" for name, kind, sec, n in top_kernels(mine, top)]
+        lines += [f"  {sec:7.3f} s {n:6d}x {kind:9s} {name[:110]}" for name, kind, sec, n in ranked[:top]]
     return lines
 
 
 def top_kernels(kernels: Sequence[Kernel], n: int) -> list[tuple[str, str, float, int]]:
     """The `n` kernel names with the most GPU seconds: (name, kind, seconds, launches), most first."""
-    by: dict[str, list[float]] = {}
+    by: dict[str, tuple[float, int]] = {}
     for k in kernels:
-        entry = by.setdefault(k.name, [0.0, 0])
-        entry[0] += (k.end_us - k.start_us) / 1e6
-        entry[1] += 1
+        sec, count = by.get(k.name, (0.0, 0))
+        by[k.name] = (sec + (k.end_us - k.start_us) / 1e6, count + 1)
     ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:n]
-    return [(name, category(name), sec, int(count)) for name, (sec, count) in ranked]
+    return [(name, category(name), sec, count) for name, (sec, count) in ranked]
 
 
 class KernelTrace:

@@ -365,7 +365,7 @@ class FragmentedMP4Muxer:
         """One chunk's fragment from its two halves (the init segment before the first)."""
         self._check_open()
         first = self._sequence == 0
-        out = self._emit(video.base, video.samples, audio.base, audio.samples)
+        out = self._emit(video, audio)
         return self._init + out if first else out
 
     def _video_track(self, frames: np.ndarray) -> EncodedTrack:
@@ -387,12 +387,12 @@ class FragmentedMP4Muxer:
         if leftover:
             raise MuxError(f"libx264 flushed {len(leftover)} held-back frame(s); zero-latency settings expected")
         audio = self._encode_audio(np.zeros((AUDIO_CHANNELS, 0), np.float32), final=True)
-        return self._emit(0, [], audio.base, audio.samples) if audio.samples else b""
+        return self._emit(EncodedTrack(0, []), audio) if audio.samples else b""
 
-    def _emit(self, video_base: int, video: list[_Sample], audio_base: int, audio: list[_Sample]) -> bytes:
+    def _emit(self, video: EncodedTrack, audio: EncodedTrack) -> bytes:
         self._sequence += 1
-        out = _fragment(self._sequence, [(VIDEO_TRACK_ID, video_base, video, True),
-                                         (AUDIO_TRACK_ID, audio_base, audio, False)])
+        out = _fragment(self._sequence, [(VIDEO_TRACK_ID, video.base, video.samples, True),
+                                         (AUDIO_TRACK_ID, audio.base, audio.samples, False)])
         parse_boxes(out)  # whole boxes only, by construction; a failure here is a muxer bug
         return out
 
