@@ -9,22 +9,24 @@ rows is bound by that dispatch (~124 ms of host whatever its size, docs/benchmar
 VAE the GPUs are the limit in every phase (§4.6), and the graphs take the dispatch off the ranks' host threads.
 
 `capture(rows, slots)` records the graphs of one shape at start-up: `rows` packed rows on this rank (after the
-sequence split) and `slots` timesteps in the AdaLN tables. Every piece reads and writes one set of static buffers
-per shape (`_Buffers`), and all pieces share one memory pool for their temporaries: they replay one after another.
-A forward of another shape, or with the LoRA suspended (the teacher), or during a graph capture, runs eagerly.
-Knows nothing about sessions, KV caches, text rows or the all-to-alls.
+sequence split) and `slots` timesteps in the AdaLN tables, for a sequence shard of `degree` ranks. Every piece reads
+and writes one set of static buffers per shape (`_Buffers`); a piece writes its q, k, v straight into the layout the
+attention takes them in (under Ulysses, the all-to-all's send buffer), and the attention writes its output into the
+next piece's input. All pieces share one memory pool for their temporaries: they replay one after another. A forward
+of another shape, or with the LoRA suspended (the teacher), or under another shard degree, or during a graph
+capture, runs eagerly. Knows nothing about sessions, KV caches, text rows or the all-to-alls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from services.common.cuda_graphs import CudaGraphBank, GraphKey
 from services.dit.lora import LoRAAdapter
-from services.dit.model import DiT, attention_inputs, residual_branches
+from services.dit.model import DiT, ShardedAttend, attention_inputs, pack_head_groups, residual_branches
 
 
 @dataclass
@@ -36,15 +38,19 @@ class _Buffers:
     rows: torch.Tensor  # [R] int64 table row of every x row
     cos: torch.Tensor  # [R, rope dims]
     sin: torch.Tensor  # [R, rope dims]
-    qkv: torch.Tensor  # [3, R, H, D] the next attention's inputs
+    send: torch.Tensor  # [G, R, 3, H/G, D] the next attention's q, k, v by head group (`pack_head_groups`)
     attn: torch.Tensor  # [R, H, D] the last attention's output
 
 
 class BlockGraphs:
-    """Piecewise graphs of `model.blocks` per (rows on this rank, timestep slots), LoRA active."""
+    """Piecewise graphs of `model.blocks` per (rows on this rank, timestep slots), LoRA active, for a model whose
+    sequence shard has `degree` ranks when they replay (installed before or after the capture)."""
 
-    def __init__(self, model: DiT, adapter: LoRAAdapter | None, device: torch.device):
-        self.model, self.adapter = model, adapter
+    def __init__(self, model: DiT, adapter: LoRAAdapter | None, device: torch.device, degree: int):
+        if degree < 1 or model.args.num_heads % degree:
+            raise ValueError(f"sequence shard degree {degree} must be >= 1 and divide num_heads="
+                             f"{model.args.num_heads}")
+        self.model, self.adapter, self.degree = model, adapter, degree
         self.bank = CudaGraphBank(device)
         self._buffers: dict[tuple[int, int], _Buffers] = {}
 
@@ -61,13 +67,14 @@ class BlockGraphs:
             raise ValueError("capture the block graphs with the LoRA active: they replay the students and commits")
         args, dev, dt = self.model.args, self.bank.device, self.model.dtype
         c, h, d = args.hidden_size, args.num_heads, args.head_dim
+        g = self.degree
         with torch.inference_mode(False):  # plain tensors: copied into from inside inference mode and outside it
             b = _Buffers(x=torch.zeros(rows, c, device=dev, dtype=dt),
                          tables=torch.zeros(args.num_layers, 3 * slots, 6, c, device=dev, dtype=dt),
                          rows=torch.zeros(rows, dtype=torch.int64, device=dev),
                          cos=torch.ones(rows, args.rope_dims, device=dev, dtype=dt),
                          sin=torch.zeros(rows, args.rope_dims, device=dev, dtype=dt),
-                         qkv=torch.zeros(3, rows, h, d, device=dev, dtype=dt),
+                         send=torch.zeros(g, rows, 3, h // g, d, device=dev, dtype=dt),
                          attn=torch.zeros(rows, h, d, device=dev, dtype=dt))
         for i in range(args.num_layers + 1):
             self.bank.capture(self._key(rows, slots, i), lambda i=i: self._piece(b, i), [])
@@ -80,12 +87,13 @@ class BlockGraphs:
     def covers(self, x: torch.Tensor, tables: Sequence[torch.Tensor]) -> bool:
         """Whether a forward with this rank's rows `x` `[R, C]` and per-block tables `[3 * slots, 6, C]` replays."""
         return ((x.shape[0], tables[0].shape[0] // 3) in self._buffers
+                and self.model.sequence_shard.degree == self.degree
                 and (self.adapter is None or not self.adapter.suspended_depth)
                 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def run(self, x: torch.Tensor, tables: Sequence[torch.Tensor], rows: torch.Tensor,
-            rope: tuple[torch.Tensor, torch.Tensor], attends: Sequence[Callable[..., torch.Tensor]]) -> torch.Tensor:
-        """The block stack on `x` `[R, C]`: the pieces replayed, `attends[i](q, k, v)` run eagerly between them."""
+            rope: tuple[torch.Tensor, torch.Tensor], attends: Sequence[ShardedAttend]) -> torch.Tensor:
+        """The block stack on `x` `[R, C]`: the pieces replayed, `attends[i]` run eagerly between them."""
         slots = tables[0].shape[0] // 3
         b = self._buffers[(x.shape[0], slots)]
         b.x.copy_(x)
@@ -95,7 +103,7 @@ class BlockGraphs:
         b.sin.copy_(rope[1])
         for i, attend in enumerate(attends):
             self.bank.replay(self._key(x.shape[0], slots, i), [])
-            b.attn.copy_(attend(b.qkv[0], b.qkv[1], b.qkv[2]))
+            attend.packed(b.send, b.attn)
         self.bank.replay(self._key(x.shape[0], slots, len(attends)), [])
         return b.x.clone()  # the next forward overwrites the buffer
 
@@ -106,10 +114,7 @@ class BlockGraphs:
         if i > 0:
             x = residual_branches(blocks[i - 1], b.x, b.tables[i - 1], b.rows, b.attn)
         if i < len(blocks):
-            q, k, v = attention_inputs(blocks[i], x, b.tables[i], b.rows, b.cos, b.sin)
-            b.qkv[0].copy_(q)
-            b.qkv[1].copy_(k)
-            b.qkv[2].copy_(v)
+            pack_head_groups(*attention_inputs(blocks[i], x, b.tables[i], b.rows, b.cos, b.sin), b.send)
         if i > 0:
             b.x.copy_(x)
 

@@ -112,30 +112,69 @@ PRESETS: dict[str, ModelArgs] = {
 
 
 class AttentionPattern(Protocol):
-    """Attention over packed rows: q/k/v `[S, H_local, D]` after QK-norm and RoPE, global row order."""
+    """Attention over packed rows: q/k/v `[S, H_local, D]` after QK-norm and RoPE, global row order; each may be a
+    strided view (last dim contiguous): under Ulysses they are the three planes of the receive buffer."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+class ShardedAttend(Protocol):
+    """One block's attention inside a sequence shard: `inner(q, k, v)` over every row for this rank's heads, wrapped
+    in what moves rows between ranks."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v `[R, H, D]` of this rank's rows -> the attention output `[R, H, D]`."""
+
+    def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
+        """The same from q, k, v already laid out by `pack_head_groups` (`send`), written into `out` `[R, H, D]`."""
+
+
 class SequenceShard(Protocol):
     """Splits the packed sequence across ranks before the blocks and gathers it before the heads (dim 0); wraps
-    each block's attention `inner(q, k, v)` (over every row for this rank's heads) in what moves rows between ranks."""
+    each block's attention (`ShardedAttend`). `degree` ranks each hold H / degree heads inside the attention."""
+
+    degree: int
 
     def split(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def attend(self, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]: ...
+    def attend(self, inner: Callable[..., torch.Tensor]) -> ShardedAttend: ...
 
     def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def pack_head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write q, k, v into `out` so that head group g of every row, q, k and v together, is the contiguous `out[g]`:
+    what a Ulysses all-to-all sends to rank g, and after it a layout the attention reads in place."""
+    # q, k, v: [R, H, D] -> out: [G, R, 3, H/G, D]
+    for t, x in enumerate((q, k, v)):
+        out[:, :, t].copy_(x.unflatten(1, (out.shape[0], -1)).transpose(0, 1))
+    return out
+
+
+class LocalAttend:
+    """`ShardedAttend` of a single device: the inner attention over all rows and heads, nothing moved."""
+
+    def __init__(self, inner: Callable[..., torch.Tensor]):
+        self.inner = inner
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.inner(q, k, v)
+
+    def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
+        # send: [1, R, 3, H, D] -> out: [R, H, D]
+        out.copy_(self.inner(send[0, :, 0], send[0, :, 1], send[0, :, 2]))
 
 
 class NoShard:
     """Identity `SequenceShard` (single device)."""
 
+    degree = 1
+
     def split(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def attend(self, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        return inner
+    def attend(self, inner: Callable[..., torch.Tensor]) -> LocalAttend:
+        return LocalAttend(inner)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x

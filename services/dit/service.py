@@ -81,7 +81,7 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
         runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets))
     if cfg.cuda_graphs and cfg.reuse_text_kv and device.type == "cuda":  # no collective inside: captured right away
         started = time.perf_counter()
-        graphs = BlockGraphs(model, adapter, device)
+        graphs = BlockGraphs(model, adapter, device, cfg.usp_degree)
         for rows, slots in text_free_block_shapes(profile_canvases(profile), cfg.usp_degree):
             graphs.capture(rows, slots)
         graphs.seal()

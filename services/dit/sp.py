@@ -4,7 +4,10 @@
 slices, one per rank, gathered back before the heads, and every block's attention wrapped (`attend`):
 one packed-QKV all-to-all turns the sequence shard `[S/N, H, D]` x 3 into the head shard `[S, H/N, D]` x 3, the
 inner pattern (full or streaming) runs over all rows for this rank's heads (so a KV cache keeps `[rows, H/N, D]`
-per rank), and a second all-to-all restores `[S/N, H, D]`. The text refiner runs replicated (text rows only).
+per rank), and a second all-to-all restores `[S/N, H, D]`. q, k and v are written once, by head group, into the
+send buffer (`pack_head_groups`: by the block graphs, inside their captured pieces); the receive buffer then holds
+every row's q, k, v side by side, and the inner pattern reads them there as views (the layout cuDNN attention
+calls packed QKV). The text refiner runs replicated (text rows only).
 The same `all_to_all_single` path serves NCCL and gloo. Knows nothing about sessions, KV retention, LoRA or
 how the ranks were started.
 """
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from einops import rearrange
 from torch.distributed import ProcessGroup
 
-from services.dit.model import DiT, NoShard
+from services.dit.model import DiT, NoShard, pack_head_groups
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,11 @@ class UlyssesShard:
         n = self._rows(x)
         return x.narrow(0, self.rank * n, n).contiguous()
 
-    def attend(self, inner):
+    @property
+    def degree(self) -> int:
+        return self.world_size
+
+    def attend(self, inner) -> UlyssesAttend:
         """`inner(q, k, v)` over every row for this rank's heads, wrapped in the Ulysses all-to-alls."""
         return UlyssesAttend(inner, self.group, self.world_size)
 
@@ -61,41 +68,45 @@ class UlyssesShard:
         return out
 
 
-def qkv_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None, world_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One all-to-all: sequence-sharded q/k/v -> every row for this rank's H/N heads."""
-    # q, k, v: [S/N, H, D] -> [S, H/N, D] each
-    # chunk j of dim 0 goes to rank j: the heads [j * H/N, (j + 1) * H/N) of every local row. Each of q, k, v is
-    # written once, straight into its place (no stacked copy first).
-    send = q.new_empty(world_size, 3, q.shape[0], q.shape[1] // world_size, q.shape[2])  # [N, 3, S/N, H/N, D]
-    for t, x in enumerate((q, k, v)):
-        send[:, t].copy_(rearrange(x, "s (n h) d -> n s h d", n=world_size))
-    recv = torch.empty_like(send)  # chunk i came from rank i: its rows, our heads
+def heads_to_rows(send: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """One all-to-all: q, k, v of this rank's rows, packed by head group -> every row for this rank's heads."""
+    # send: [N, S/N, 3, H/N, D] (`pack_head_groups`; chunk j goes to rank j) -> [S, 3, H/N, D]
+    recv = torch.empty_like(send)  # chunk i came from rank i: its rows, our heads, already in global row order
     dist.all_to_all_single(recv, send, group=group)
-    full = rearrange(recv, "n t s h d -> t (n s) h d")
-    return full[0], full[1], full[2]
+    return recv.flatten(0, 1)
 
 
-def out_to_sequence(out: torch.Tensor, group: ProcessGroup | None, world_size: int) -> torch.Tensor:
-    """The inverse all-to-all: this rank's heads of every row -> every head of this rank's rows."""
-    # out: [S, H/N, D] -> [S/N, H, D]
-    send = rearrange(out, "(n s) h d -> n s h d", n=world_size).contiguous()  # chunk j: rank j's rows
-    recv = torch.empty_like(send)  # chunk i: head group i of our rows
+def out_to_rows(out: torch.Tensor, group: ProcessGroup | None, world_size: int) -> torch.Tensor:
+    """The inverse all-to-all: this rank's heads of every row -> every head group of this rank's rows."""
+    # out: [S, H/N, D] -> [N, S/N, H/N, D]: chunk i is head group i
+    send = out.contiguous().view(world_size, -1, *out.shape[1:])  # chunk j: rank j's rows (the patterns' outputs
+    # are contiguous already: no copy)
+    recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return rearrange(recv, "n s h d -> s (n h) d")
+    return recv
 
 
 class UlyssesAttend:
-    """Wraps one block's `attend(q, k, v)` with the Ulysses all-to-alls."""
+    """`ShardedAttend` of a Ulysses rank: the inner attention between the two all-to-alls."""
 
     def __init__(self, inner, group: ProcessGroup | None, world_size: int):
         self.inner, self.group, self.world_size = inner, group, world_size
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [S/N, H, D] -> [S/N, H, D]
-        qf, kf, vf = qkv_to_heads(q, k, v, self.group, self.world_size)
-        out = self.inner(qf, kf, vf)  # [S, H/N, D]
-        return out_to_sequence(out, self.group, self.world_size)
+        send = q.new_empty(self.world_size, q.shape[0], 3, q.shape[1] // self.world_size, q.shape[2])
+        heads = self._exchange(pack_head_groups(q, k, v, send))  # [N, S/N, H/N, D]
+        return rearrange(heads, "n s h d -> s (n h) d")
+
+    def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
+        # send: [N, S/N, 3, H/N, D] -> out: [S/N, H, D]
+        out.unflatten(1, (self.world_size, -1)).copy_(self._exchange(send).transpose(0, 1))
+
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """All-to-all, the inner attention on views of what came in, all-to-all back: [N, S/N, H/N, D]."""
+        full = heads_to_rows(send, self.group)  # [S, 3, H/N, D]
+        out = self.inner(full[:, 0], full[:, 1], full[:, 2])  # [S, H/N, D]
+        return out_to_rows(out, self.group, self.world_size)
 
 
 @dataclass

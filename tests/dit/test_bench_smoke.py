@@ -76,3 +76,15 @@ def test_bench_takes_its_options_from_a_profile():
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert clash.returncode == 2 and "--profile sets --fp8 itself" in clash.stderr
 
+
+
+@pytest.mark.cpu
+def test_all_to_all_bench_times_both_exchanges_of_every_row_count():
+    from services.dit.bench_all_to_all import measure
+
+    measured = measure(2, "cpu", "tiny", [64, 128], iters=2)
+    assert [(m.rows, m.name) for m in measured] == [(64, "q, k, v"), (64, "output"), (128, "q, k, v"), (128, "output")]
+    # tiny: 2 of 4 heads per rank, head dim 32, BF16; half of each buffer crosses to the other rank
+    assert [m.crossing_bytes for m in measured] == [64 * 3 * 2 * 32 * 2, 64 * 2 * 32 * 2,
+                                                    128 * 3 * 2 * 32 * 2, 128 * 2 * 32 * 2]
+    assert all(m.seconds > 0 for m in measured)

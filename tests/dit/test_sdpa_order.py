@@ -83,3 +83,27 @@ print(flash_ran, flash_again, cudnn_ran, err)
     flash_ran, flash_again, cudnn_ran, err = out.split()
     assert flash_ran == "True" and flash_again == "False" and cudnn_ran == "True", out
     assert float(err) < 2e-2, out
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_reads_q_k_v_in_place_in_the_ulysses_receive_buffer():
+    """Under Ulysses the patterns get q, k, v as the three planes of the all-to-all's receive buffer `[S, 3, H, D]`
+    (the streaming pattern: q from there, k and v from the KV cache). cuDNN must take them as they are: with no other
+    kernel allowed a refusal would raise, and the result equals the one from contiguous copies."""
+    torch = pytest.importorskip("torch")
+    torch.cuda.is_available() or pytest.skip("needs a CUDA GPU")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from services.dit.model import sdpa_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    recv = torch.randn(2048, 3, 28, 96, device="cuda", dtype=torch.bfloat16, generator=gen)  # full preset's USP2 heads
+    cache_k, cache_v = (torch.randn(3000, 28, 96, device="cuda", dtype=torch.bfloat16, generator=gen)
+                        for _ in range(2))
+    q, k, v = recv.unbind(1)
+    with torch.no_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        cases = [(sdpa_rows(q, k, v), sdpa_rows(q.contiguous(), k.contiguous(), v.contiguous())),
+                 (sdpa_rows(q[100:1900], cache_k, cache_v), sdpa_rows(q[100:1900].contiguous(), cache_k, cache_v))]
+    for in_place, copied in cases:
+        err = ((in_place.float() - copied.float()).norm() / copied.float().norm()).item()
+        assert err < 1e-3, err

@@ -21,9 +21,9 @@ from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.launch import GroupOptions, free_port, rank_device_env
 from services.dit.layout import pack_layout
-from services.dit.model import PRESETS, DiT, FullAttention, build_random
+from services.dit.model import PRESETS, DiT, FullAttention, build_random, pack_head_groups
 from services.dit.runtime import DiTRuntime, text_free_block_shapes
-from services.dit.sp import install_ulysses, out_to_sequence, qkv_to_heads
+from services.dit.sp import UlyssesAttend, heads_to_rows, install_ulysses, out_to_rows
 
 ARGS = PRESETS["tiny"]  # 4 heads: N = 2 and N = 4 both divide
 TEXT_TOKENS = 16
@@ -38,7 +38,7 @@ def build_tiny(profile: Profile, device: torch.device) -> DiTRuntime:
                                                          ulysses_degree=profile.dit.usp_degree))
     runtime.teacher.overlap = profile.dit.teacher_overlap
     if profile.dit.usp_degree > 1:  # the group's text-free forwards through the block pieces (eager on the CPU)
-        model.block_graphs = BlockGraphs(model, None, device)
+        model.block_graphs = BlockGraphs(model, None, device, profile.dit.usp_degree)
         for rows, slots in text_free_block_shapes([Canvas(*CANVAS)], profile.dit.usp_degree):
             model.block_graphs.capture(rows, slots)
     return runtime
@@ -77,7 +77,10 @@ def _forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             shapes = []
 
             def attention(layer, q, k, v):
-                shapes.append(tuple(q.shape))
+                # the layout the all-to-all leaves: q, k, v side by side in one receive buffer, read in place
+                in_place = (q.stride() == k.stride() == v.stride() == (3 * q.shape[1] * q.shape[2], q.shape[2], 1)
+                            and k.data_ptr() - q.data_ptr() == v.data_ptr() - k.data_ptr() == q[0].numel() * 4)
+                shapes.append((tuple(q.shape), in_place))
                 return full(layer, q, k, v)
 
             handle = install_ulysses(model, group, group_rank, n)
@@ -90,10 +93,17 @@ def _forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         q, k, v = (torch.randn(layout.seq_len, ARGS.num_heads, ARGS.head_dim, generator=gen) for _ in range(3))
         rows, heads = layout.seq_len // world, ARGS.num_heads // world
         mine = slice(rank * rows, (rank + 1) * rows)
-        got = qkv_to_heads(q[mine], k[mine], v[mine], None, world)
+        send = pack_head_groups(q[mine], k[mine], v[mine], q.new_empty(world, rows, 3, heads, ARGS.head_dim))
+        got = heads_to_rows(send, None)  # [S, 3, H/N, D]
         head_slice = slice(rank * heads, (rank + 1) * heads)
-        result["a2a_exact"] = all(torch.equal(g, t[:, head_slice]) for g, t in zip(got, (q, k, v)))
-        result["a2a_back_exact"] = torch.equal(out_to_sequence(q[:, head_slice], None, world), q[mine])
+        result["a2a_exact"] = all(torch.equal(got[:, i], t[:, head_slice]) for i, t in enumerate((q, k, v)))
+        back = out_to_rows(q[:, head_slice], None, world)  # [N, S/N, H/N, D]: head group i of our rows
+        result["a2a_back_exact"] = torch.equal(back.transpose(0, 1).flatten(1, 2), q[mine])
+        # a block's attention from the packed send buffer (the block graphs' path) equals the one from q, k, v
+        attend = UlyssesAttend(lambda q, k, v: full(0, q, k, v), None, world)
+        out = torch.empty(rows, ARGS.num_heads, ARGS.head_dim)
+        attend.packed(send, out)
+        result["packed_exact"] = torch.equal(out, attend(q[mine], k[mine], v[mine]))
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -122,10 +132,10 @@ def test_full_attention_forward_usp2_usp4_match_one_rank(tmp_path):
     run_ranks(_forward_rank, 4, free_port("127.0.0.1"), str(tmp_path))
     for r in range(4):
         got = torch.load(tmp_path / f"rank{r}.pt")
-        assert got["a2a_exact"] and got["a2a_back_exact"]
+        assert got["a2a_exact"] and got["a2a_back_exact"] and got["packed_exact"]
         for n in (2, 4):
-            # the inner pattern saw every row but only this rank's heads
-            expect = [(layout.seq_len, ARGS.num_heads // n, ARGS.head_dim)] * ARGS.num_layers
+            # the inner pattern saw every row but only this rank's heads, as views of the receive buffer
+            expect = [((layout.seq_len, ARGS.num_heads // n, ARGS.head_dim), True)] * ARGS.num_layers
             assert got[n]["shapes"] == expect
             for ref, out in ((ref_v, got[n]["video"]), (ref_a, got[n]["audio"])):
                 assert out.shape == ref.shape
@@ -187,6 +197,8 @@ def test_usp2_streaming_session_matches_one_rank(staged):
                 err = (a - b).abs().max() / b.abs().max()
                 assert err < 1e-5, f"phase {i} {name}: relative error {err:.2e}"
         assert outs[8].meta.timings.hold_s >= HOLD.max_seconds  # the expired hold is reported
+        graphs = group.runtime.model.block_graphs  # rank 0's text-free forwards went through the packed pieces
+        assert graphs.bank.stats.replays > 0 and graphs.bank.stats.replays % (ARGS.num_layers + 1) == 0
         status = group.rank_status()
         assert [s.rank for s in status] == [0, 1]
         for s in status:
