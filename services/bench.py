@@ -160,7 +160,6 @@ def build(opts):
                       merge_lora=opts.merge_lora, attention=opts.attention, cuda_graphs=opts.cuda_graphs,
                       teacher_sharded=opts.teacher_sharded, teacher_overlap=opts.teacher_overlap,
                       teacher_staged=opts.teacher_staged, reuse_text_kv=opts.reuse_text_kv,
-                      all_to_all_parts=opts.all_to_all_parts,
                       prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))),
         gateway={"allowed_canvases": [(opts.width, opts.height)]})  # the shapes of the DiT's block graphs
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
@@ -370,7 +369,7 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
              f"adaln_cache={opts.adaln_cache}, merge_lora={opts.merge_lora}, cuda_graphs={opts.cuda_graphs}, "
              f"teacher_sharded={opts.teacher_sharded}, teacher_overlap={opts.teacher_overlap}, "
-             f"teacher_staged={opts.teacher_staged}, all_to_all_parts={opts.all_to_all_parts}, "
+             f"teacher_staged={opts.teacher_staged}, "
              f"reuse_text_kv={opts.reuse_text_kv}, "
              f"attention={opts.attention}, "
              f"GPUs={gpus}; " + (
@@ -462,7 +461,7 @@ def baseline(opts, device, model: DiT) -> dict:
 
 PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
                    "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "teacher_overlap", "teacher_staged",
-                   "reuse_text_kv", "all_to_all_parts",
+                   "reuse_text_kv",
                    "tile_overlap", "vae_tile_devices", "vae_compile", "vae_graphs", "window")
 """The bench options `--profile` takes from a deployment profile."""
 
@@ -480,7 +479,7 @@ def profile_options(profile: Profile) -> dict:
                 cuda_graphs=dit.cuda_graphs, prompt_buckets=",".join(map(str, dit.prompt_buckets)),
                 attention=dit.attention, merge_lora=dit.merge_lora, teacher_sharded=dit.teacher_sharded,
                 teacher_overlap=dit.teacher_overlap, teacher_staged=dit.teacher_staged,
-                reuse_text_kv=dit.reuse_text_kv, all_to_all_parts=dit.all_to_all_parts,
+                reuse_text_kv=dit.reuse_text_kv,
                 tile_overlap=vae.tile_overlap_px, vae_tile_devices=",".join(vae.tile_devices),
                 vae_compile=vae.compile_blocks, vae_graphs=vae.cuda_graphs, window=dit.max_phases_ahead)
 
@@ -516,9 +515,6 @@ def main() -> None:
                              "(dit.teacher_overlap)")
     parser.add_argument("--teacher-staged", action="store_true",
                         help="the teacher's blocks split into one stage per DiT rank (dit.teacher_staged)")
-    parser.add_argument("--all-to-all-parts", type=int, default=DiTConfig().all_to_all_parts,
-                        help="exchange each rank's attention heads in this many parts, each part's transfer beside "
-                             "the previous part's attention (dit.all_to_all_parts)")
     parser.add_argument("--no-reuse-text-kv", dest="reuse_text_kv", action="store_false",
                         help="run the text rows in every forward instead of once per request and timestep "
                              "(dit.reuse_text_kv: false)")

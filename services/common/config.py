@@ -142,10 +142,6 @@ class DiTConfig:
     does 1/N of the teacher's work instead of all of it; its steps take as long as before plus the hand-overs (a
     few ms each). On 2xH200: 0.06-0.2 s less DiT time per request, 0.02-0.1 s less to the first chunk (see
     docs/benchmarks.md §4.7). Off: every rank runs the whole teacher."""
-    all_to_all_parts: int = 1
-    """Exchange each rank's attention heads in this many parts over disjoint heads (it must divide the heads per
-    rank, 28 on USP2): the parts' all-to-alls run on the group's NCCL stream, each part's transfer beside the
-    previous part's attention, so only the first part in and the last part out wait. 1: one exchange each way."""
     teacher_overlap: bool = False
     """Replay the audio teacher's graphs on their own CUDA stream, from a worker thread, beside the previous phase's
     commit and the first student step of each request (which needs no teacher state); the next steps wait for the
@@ -187,11 +183,6 @@ class DiTConfig:
         if self.teacher_overlap and (not self.cuda_graphs or self.teacher_sharded):
             raise ValueError("dit.teacher_overlap needs dit.cuda_graphs and not dit.teacher_sharded (only whole, "
                              "graphed teacher steps run beside the students)")
-        if not isinstance(self.all_to_all_parts, int) or self.all_to_all_parts < 1:
-            raise ValueError(f"dit.all_to_all_parts={self.all_to_all_parts!r}: must be a whole number ≥ 1")
-        if self.all_to_all_parts > 1 and len(self.devices) < 2:
-            raise ValueError(f"dit.all_to_all_parts={self.all_to_all_parts} needs 2 or 4 dit.devices (one device "
-                             "exchanges nothing)")
         for name in ("merge_lora", "reuse_text_kv", "teacher_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"dit.{name}={getattr(self, name)!r}: must be true or false")

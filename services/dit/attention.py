@@ -49,32 +49,28 @@ class StreamingAttention:
         """Text rows the media rows attend to: the layout's own, or the recorded ones."""
         return self.text_len if self.text_kv is None else self.text_kv.shape[2]
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 heads: slice = slice(None)) -> torch.Tensor:
-        # q, k, v: [S, h, D] (global row order; `heads`: which of the cache's local heads they are)
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [S, H, D] (global row order, local heads)
         tt, nm, s = self.text_len, self.media_len, q.shape[0]
         if s != self.seq_len:
             raise ValueError(f"StreamingAttention built for {self.seq_len} rows got {s}")
         hist = self.cache.live
         k_all, v_all = self.cache.work(layer, nm, self.text_keys)  # [hist + nm + text keys, H, D]
-        k_all, v_all = k_all[:, heads], v_all[:, heads]  # [.., h, D]
         k_all[hist:hist + nm].copy_(k[tt:tt + nm])
         v_all[hist:hist + nm].copy_(v[tt:tt + nm])
         if self.text_kv is None:
             k_all[hist + nm:].copy_(k[:tt])
             v_all[hist + nm:].copy_(v[:tt])
         else:
-            k_all[hist + nm:].copy_(self.text_kv[layer, 0, :, heads])
-            v_all[hist + nm:].copy_(self.text_kv[layer, 1, :, heads])
+            k_all[hist + nm:].copy_(self.text_kv[layer, 0])
+            v_all[hist + nm:].copy_(self.text_kv[layer, 1])
         if self._record:
             if self.recorded is None:
-                self.recorded = k.new_empty((self.cache.num_layers, 2, tt, self.cache.local_heads,
-                                             self.cache.head_dim))
-            self.recorded[layer, 0, :, heads].copy_(k[:tt])
-            self.recorded[layer, 1, :, heads].copy_(v[:tt])
-        if self.commit:  # the media K/V are written in place; staging a layer again (its next heads) is a no-op
-            k_media, v_media = self.cache.work(layer, nm, 0)
-            self.cache.stage(layer, k_media[hist:], v_media[hist:])
+                self.recorded = k.new_empty((self.cache.num_layers, 2, *k[:tt].shape))
+            self.recorded[layer, 0].copy_(k[:tt])
+            self.recorded[layer, 1].copy_(v[:tt])
+        if self.commit:
+            self.cache.stage(layer, k_all[hist:hist + nm], v_all[hist:hist + nm])
         parts = [sdpa_rows(q[tt:tt + nm], k_all, v_all)]
         if tt:
             parts.insert(0, sdpa_rows(q[:tt], k[:tt], v[:tt]))

@@ -9,11 +9,11 @@ rows is bound by that dispatch (~124 ms of host whatever its size, docs/benchmar
 VAE the GPUs are the limit in every phase (§4.6), and the graphs take the dispatch off the ranks' host threads.
 
 `capture(rows, slots)` records the graphs of one shape at start-up: `rows` packed rows on this rank (after the
-sequence split) and `slots` timesteps in the AdaLN tables, for the sequence shard's `HeadExchange`. Every piece reads
+sequence split) and `slots` timesteps in the AdaLN tables, for a sequence shard of `degree` ranks. Every piece reads
 and writes one set of static buffers per shape (`_Buffers`); a piece writes its q, k, v straight into the layout the
 attention takes them in (under Ulysses, the all-to-all's send buffer), and the attention writes its output into the
 next piece's input. All pieces share one memory pool for their temporaries: they replay one after another. A forward
-of another shape, or with the LoRA suspended (the teacher), or under another head exchange, or during a graph
+of another shape, or with the LoRA suspended (the teacher), or under another shard degree, or during a graph
 capture, runs eagerly. Knows nothing about sessions, KV caches, text rows or the all-to-alls.
 """
 
@@ -26,8 +26,7 @@ import torch
 
 from services.common.cuda_graphs import CudaGraphBank, GraphKey
 from services.dit.lora import LoRAAdapter
-from services.dit.model import (DiT, HeadExchange, ShardedAttend, attention_inputs, pack_head_groups,
-                               residual_branches)
+from services.dit.model import DiT, ShardedAttend, attention_inputs, pack_head_groups, residual_branches
 
 
 @dataclass
@@ -39,19 +38,19 @@ class _Buffers:
     rows: torch.Tensor  # [R] int64 table row of every x row
     cos: torch.Tensor  # [R, rope dims]
     sin: torch.Tensor  # [R, rope dims]
-    send: torch.Tensor  # [P, G, R, 3, H/(G P), D] the next attention's q, k, v by head group (`pack_head_groups`)
+    send: torch.Tensor  # [G, R, 3, H/G, D] the next attention's q, k, v by head group (`pack_head_groups`)
     attn: torch.Tensor  # [R, H, D] the last attention's output
 
 
 class BlockGraphs:
     """Piecewise graphs of `model.blocks` per (rows on this rank, timestep slots), LoRA active, for a model whose
-    sequence shard exchanges heads as `exchange` says when they replay (installed before or after the capture)."""
+    sequence shard has `degree` ranks when they replay (installed before or after the capture)."""
 
-    def __init__(self, model: DiT, adapter: LoRAAdapter | None, device: torch.device, exchange: HeadExchange):
-        if model.args.num_heads % (exchange.degree * exchange.parts):
-            raise ValueError(f"a head exchange of {exchange.degree} ranks in {exchange.parts} parts does not divide "
-                             f"num_heads={model.args.num_heads}")
-        self.model, self.adapter, self.exchange = model, adapter, exchange
+    def __init__(self, model: DiT, adapter: LoRAAdapter | None, device: torch.device, degree: int):
+        if degree < 1 or model.args.num_heads % degree:
+            raise ValueError(f"sequence shard degree {degree} must be >= 1 and divide num_heads="
+                             f"{model.args.num_heads}")
+        self.model, self.adapter, self.degree = model, adapter, degree
         self.bank = CudaGraphBank(device)
         self._buffers: dict[tuple[int, int], _Buffers] = {}
 
@@ -68,13 +67,14 @@ class BlockGraphs:
             raise ValueError("capture the block graphs with the LoRA active: they replay the students and commits")
         args, dev, dt = self.model.args, self.bank.device, self.model.dtype
         c, h, d = args.hidden_size, args.num_heads, args.head_dim
+        g = self.degree
         with torch.inference_mode(False):  # plain tensors: copied into from inside inference mode and outside it
             b = _Buffers(x=torch.zeros(rows, c, device=dev, dtype=dt),
                          tables=torch.zeros(args.num_layers, 3 * slots, 6, c, device=dev, dtype=dt),
                          rows=torch.zeros(rows, dtype=torch.int64, device=dev),
                          cos=torch.ones(rows, args.rope_dims, device=dev, dtype=dt),
                          sin=torch.zeros(rows, args.rope_dims, device=dev, dtype=dt),
-                         send=torch.zeros(self.exchange.send_shape(rows, h, d), device=dev, dtype=dt),
+                         send=torch.zeros(g, rows, 3, h // g, d, device=dev, dtype=dt),
                          attn=torch.zeros(rows, h, d, device=dev, dtype=dt))
         for i in range(args.num_layers + 1):
             self.bank.capture(self._key(rows, slots, i), lambda i=i: self._piece(b, i), [])
@@ -87,7 +87,7 @@ class BlockGraphs:
     def covers(self, x: torch.Tensor, tables: Sequence[torch.Tensor]) -> bool:
         """Whether a forward with this rank's rows `x` `[R, C]` and per-block tables `[3 * slots, 6, C]` replays."""
         return ((x.shape[0], tables[0].shape[0] // 3) in self._buffers
-                and self.model.sequence_shard.exchange == self.exchange
+                and self.model.sequence_shard.degree == self.degree
                 and (self.adapter is None or not self.adapter.suspended_depth)
                 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 

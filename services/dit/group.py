@@ -81,19 +81,12 @@ class RankGroup:
     @classmethod
     def init(cls, rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float
              ) -> "RankGroup":
-        """Join the group: NCCL on CUDA devices, gloo otherwise; both with `timeout_s` on init and collectives.
-
-        NCCL runs on a high-priority stream: a transfer queued beside an attention kernel (`dit.all_to_all_parts`)
-        then gets SMs as the attention's blocks retire instead of after its last one."""
-        cuda = device.type == "cuda"
-        options = None
-        if cuda:
-            options = dist.ProcessGroupNCCL.Options()
-            options.is_high_priority_stream = True
+        """Join the group: NCCL on CUDA devices, gloo otherwise; both with `timeout_s` on init and collectives."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
         try:
-            dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-                                    world_size=world_size, timeout=timedelta(seconds=timeout_s),
-                                    device_id=device if cuda else None, pg_options=options)
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
             return cls(rank, world_size, device, timeout_s)
         except (RuntimeError, OSError, ValueError) as exc:
             raise GroupFailed(f"rank {rank} could not join the DiT group at {init_method}: {exc}") from exc

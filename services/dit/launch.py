@@ -125,7 +125,7 @@ def join_ulysses(runtime: DiTRuntime, comm: RankGroup, profile: Profile, rank: i
     With `dit.teacher_sharded` its graphed steps run sharded like every other forward, the all-to-alls captured
     inside the graphs (not abortable if a rank dies: see the option).
     """
-    handle = install_ulysses(runtime.model, None, rank, world_size, profile.dit.all_to_all_parts)
+    handle = install_ulysses(runtime.model, None, rank, world_size)
     comm.verify_replicas(runtime.model)
     if not profile.dit.teacher_sharded:
         runtime.teacher.placement = handle.local

@@ -113,12 +113,9 @@ PRESETS: dict[str, ModelArgs] = {
 
 class AttentionPattern(Protocol):
     """Attention over packed rows: q/k/v `[S, H_local, D]` after QK-norm and RoPE, global row order; each may be a
-    strided view (last dim contiguous): under Ulysses they are the three planes of the receive buffer. `heads`: which
-    of the rank's H_local heads these are, when the exchange comes in parts (`HeadExchange.parts`); a pattern that
-    keeps state per head (the KV cache) writes those heads only."""
+    strided view (last dim contiguous): under Ulysses they are the three planes of the receive buffer."""
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 heads: slice = slice(None)) -> torch.Tensor: ...
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 class ShardedAttend(Protocol):
@@ -132,29 +129,11 @@ class ShardedAttend(Protocol):
         """The same from q, k, v already laid out by `pack_head_groups` (`send`), written into `out` `[R, H, D]`."""
 
 
-@dataclass(frozen=True)
-class HeadExchange:
-    """How a block's attention moves heads between ranks: each of `degree` ranks attends over H / degree heads,
-    exchanged in `parts` parts over disjoint heads, so that one part's transfer can run beside the previous part's
-    attention (1: one exchange)."""
-
-    degree: int = 1
-    parts: int = 1
-
-    def __post_init__(self) -> None:
-        if self.degree < 1 or self.parts < 1:
-            raise ValueError(f"head exchange of {self.degree} ranks in {self.parts} parts: both must be >= 1")
-
-    def send_shape(self, rows: int, heads: int, head_dim: int) -> tuple[int, ...]:
-        """The layout `pack_head_groups` writes for `rows` rows: [P, G, R, 3, H / (G * P), D]."""
-        return self.parts, self.degree, rows, 3, heads // (self.degree * self.parts), head_dim
-
-
 class SequenceShard(Protocol):
     """Splits the packed sequence across ranks before the blocks and gathers it before the heads (dim 0); wraps
-    each block's attention (`ShardedAttend`), which moves heads as `exchange` says."""
+    each block's attention (`ShardedAttend`). `degree` ranks each hold H / degree heads inside the attention."""
 
-    exchange: HeadExchange
+    degree: int
 
     def split(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -164,13 +143,11 @@ class SequenceShard(Protocol):
 
 
 def pack_head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write q, k, v into `out` (`HeadExchange.send_shape`) so that part p of head group g of every row, q, k and v
-    together, is the contiguous `out[p, g]`: what a Ulysses all-to-all of part p sends to rank g, and after it a
-    layout the attention reads in place. Head h = (g * P + p) * H / (G * P) + j."""
-    # q, k, v: [R, H, D] -> out: [P, G, R, 3, H / (G * P), D]
-    parts, groups = out.shape[:2]
+    """Write q, k, v into `out` so that head group g of every row, q, k and v together, is the contiguous `out[g]`:
+    what a Ulysses all-to-all sends to rank g, and after it a layout the attention reads in place."""
+    # q, k, v: [R, H, D] -> out: [G, R, 3, H/G, D]
     for t, x in enumerate((q, k, v)):
-        out[:, :, :, t].copy_(x.unflatten(1, (groups, parts, -1)).permute(2, 1, 0, 3, 4))
+        out[:, :, t].copy_(x.unflatten(1, (out.shape[0], -1)).transpose(0, 1))
     return out
 
 
@@ -184,14 +161,14 @@ class LocalAttend:
         return self.inner(q, k, v)
 
     def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
-        # send: [1, 1, R, 3, H, D] -> out: [R, H, D]
-        out.copy_(self.inner(send[0, 0, :, 0], send[0, 0, :, 1], send[0, 0, :, 2]))
+        # send: [1, R, 3, H, D] -> out: [R, H, D]
+        out.copy_(self.inner(send[0, :, 0], send[0, :, 1], send[0, :, 2]))
 
 
 class NoShard:
     """Identity `SequenceShard` (single device)."""
 
-    exchange = HeadExchange()
+    degree = 1
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -249,9 +226,8 @@ class FullAttention:
             valid = layout.text_valid
             self.key_valid = torch.cat([valid, valid.new_ones(layout.num_real - layout.text_len)])
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 heads: slice = slice(None)) -> torch.Tensor:
-        # q, k, v: [S, H, D] (heads: stateless, any subset attends the same)
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [S, H, D]
         if q.shape[0] != self.seq_len:
             raise ValueError(f"FullAttention built for {self.seq_len} rows got q with {q.shape[0]} rows")
         n = self.num_real

@@ -23,7 +23,7 @@ from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, DiT, FullAttention, HeadExchange, build_random, prefer_sdpa_kernels
+from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_sdpa_kernels
 from services.dit.runtime import DiTRuntime, text_free_block_shapes
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig
@@ -81,7 +81,7 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
         runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets))
     if cfg.cuda_graphs and cfg.reuse_text_kv and device.type == "cuda":  # no collective inside: captured right away
         started = time.perf_counter()
-        graphs = BlockGraphs(model, adapter, device, HeadExchange(cfg.usp_degree, cfg.all_to_all_parts))
+        graphs = BlockGraphs(model, adapter, device, cfg.usp_degree)
         for rows, slots in text_free_block_shapes(profile_canvases(profile), cfg.usp_degree):
             graphs.capture(rows, slots)
         graphs.seal()

@@ -7,9 +7,7 @@ inner pattern (full or streaming) runs over all rows for this rank's heads (so a
 per rank), and a second all-to-all restores `[S/N, H, D]`. q, k and v are written once, by head group, into the
 send buffer (`pack_head_groups`: by the block graphs, inside their captured pieces); the receive buffer then holds
 every row's q, k, v side by side, and the inner pattern reads them there as views (the layout cuDNN attention
-calls packed QKV). With `parts` > 1 each rank's heads are exchanged in that many parts over disjoint heads, the
-transfers on the group's stream beside the previous part's attention (`UlyssesAttend`). The text refiner runs
-replicated (text rows only).
+calls packed QKV). The text refiner runs replicated (text rows only).
 The same `all_to_all_single` path serves NCCL and gloo. Knows nothing about sessions, KV retention, LoRA or
 how the ranks were started.
 """
@@ -22,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup, Work
+from einops import rearrange
+from torch.distributed import ProcessGroup
 
-from services.dit.model import DiT, HeadExchange, NoShard, pack_head_groups
+from services.dit.model import DiT, NoShard, pack_head_groups
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +31,10 @@ log = logging.getLogger(__name__)
 class UlyssesShard:
     """`SequenceShard` over `world_size` ranks: rank r holds rows [r * S/N, (r + 1) * S/N) of the packed sequence."""
 
-    def __init__(self, group: ProcessGroup | None, rank: int, world_size: int, parts: int = 1):
+    def __init__(self, group: ProcessGroup | None, rank: int, world_size: int):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
         self.group, self.rank, self.world_size = group, rank, world_size
-        self.exchange = HeadExchange(world_size, parts)
 
     def _rows(self, x: torch.Tensor) -> int:
         s = x.shape[0]
@@ -51,9 +49,13 @@ class UlyssesShard:
         n = self._rows(x)
         return x.narrow(0, self.rank * n, n).contiguous()
 
+    @property
+    def degree(self) -> int:
+        return self.world_size
+
     def attend(self, inner) -> UlyssesAttend:
         """`inner(q, k, v)` over every row for this rank's heads, wrapped in the Ulysses all-to-alls."""
-        return UlyssesAttend(inner, self.group, self.exchange)
+        return UlyssesAttend(inner, self.group, self.world_size)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's slice in rank order."""
@@ -66,66 +68,45 @@ class UlyssesShard:
         return out
 
 
-def heads_to_rows(send: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
-                  ) -> tuple[torch.Tensor, Work | None]:
-    """One all-to-all: q, k, v of this rank's rows, packed by head group -> every row for this rank's heads.
-
-    With `async_op` the transfer runs on the group's own stream and the returned work's `wait()` puts it before
-    whatever this stream queues next; else it is in order already (work None)."""
-    # send: [N, S/N, 3, H', D] (`pack_head_groups`; chunk j goes to rank j) -> [S, 3, H', D]
+def heads_to_rows(send: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """One all-to-all: q, k, v of this rank's rows, packed by head group -> every row for this rank's heads."""
+    # send: [N, S/N, 3, H/N, D] (`pack_head_groups`; chunk j goes to rank j) -> [S, 3, H/N, D]
     recv = torch.empty_like(send)  # chunk i came from rank i: its rows, our heads, already in global row order
-    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-    return recv.flatten(0, 1), work
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.flatten(0, 1)
 
 
-def out_to_rows(out: torch.Tensor, group: ProcessGroup | None, world_size: int, async_op: bool = False
-                ) -> tuple[torch.Tensor, Work | None]:
+def out_to_rows(out: torch.Tensor, group: ProcessGroup | None, world_size: int) -> torch.Tensor:
     """The inverse all-to-all: this rank's heads of every row -> every head group of this rank's rows."""
-    # out: [S, H', D] -> [N, S/N, H', D]: chunk i is head group i
+    # out: [S, H/N, D] -> [N, S/N, H/N, D]: chunk i is head group i
     send = out.contiguous().view(world_size, -1, *out.shape[1:])  # chunk j: rank j's rows (the patterns' outputs
     # are contiguous already: no copy)
     recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-    return recv, work
-
-
-def _wait(work: Work | None) -> None:
-    if work is not None:
-        work.wait()
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
 
 
 class UlyssesAttend:
-    """`ShardedAttend` of a Ulysses rank: the inner attention between the two all-to-alls.
+    """`ShardedAttend` of a Ulysses rank: the inner attention between the two all-to-alls."""
 
-    With the exchange in P parts, all P incoming transfers are queued at once on the group's stream, and part p's
-    output goes back while part p + 1 attends: of the traffic only the first part in and the last part out are not
-    beside an attention. Inside a CUDA graph capture the parts run one after another."""
-
-    def __init__(self, inner, group: ProcessGroup | None, exchange: HeadExchange):
-        self.inner, self.group, self.exchange = inner, group, exchange
+    def __init__(self, inner, group: ProcessGroup | None, world_size: int):
+        self.inner, self.group, self.world_size = inner, group, world_size
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [S/N, H, D] -> [S/N, H, D]
-        send = pack_head_groups(q, k, v, q.new_empty(self.exchange.send_shape(*q.shape)))
-        out = torch.empty_like(q)
-        self.packed(send, out)
-        return out
+        send = q.new_empty(self.world_size, q.shape[0], 3, q.shape[1] // self.world_size, q.shape[2])
+        heads = self._exchange(pack_head_groups(q, k, v, send))  # [N, S/N, H/N, D]
+        return rearrange(heads, "n s h d -> s (n h) d")
 
     def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
-        # send: [P, N, S/N, 3, H', D] with H' = H / (N * P) -> out: [S/N, H, D]
-        n, parts, h = self.exchange.degree, self.exchange.parts, send.shape[4]
-        async_op = parts > 1 and not (send.is_cuda and torch.cuda.is_current_stream_capturing())
-        incoming = [heads_to_rows(send[p], self.group, async_op) for p in range(parts)]  # [S, 3, H', D] each
-        outgoing = []
-        for p, (full, work) in enumerate(incoming):
-            _wait(work)
-            heads = {"heads": slice(p * h, (p + 1) * h)} if parts > 1 else {}
-            result = self.inner(full[:, 0], full[:, 1], full[:, 2], **heads)  # [S, H', D]
-            outgoing.append(out_to_rows(result, self.group, n, async_op))
-        dest = out.unflatten(1, (n, parts, h))  # [S/N, N, P, H', D]
-        for p, (back, work) in enumerate(outgoing):  # back: [N, S/N, H', D], chunk g = head group g's part p
-            _wait(work)
-            dest[:, :, p].copy_(back.transpose(0, 1))
+        # send: [N, S/N, 3, H/N, D] -> out: [S/N, H, D]
+        out.unflatten(1, (self.world_size, -1)).copy_(self._exchange(send).transpose(0, 1))
+
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """All-to-all, the inner attention on views of what came in, all-to-all back: [N, S/N, H/N, D]."""
+        full = heads_to_rows(send, self.group)  # [S, 3, H/N, D]
+        out = self.inner(full[:, 0], full[:, 1], full[:, 2])  # [S, H/N, D]
+        return out_to_rows(out, self.group, self.world_size)
 
 
 @dataclass
@@ -160,20 +141,15 @@ class UlyssesHandle:
         self.model.sequence_shard = NoShard()
 
 
-def install_ulysses(model: DiT, group: ProcessGroup | None, rank: int, world_size: int, parts: int = 1
-                    ) -> UlyssesHandle:
-    """Shard `model`'s packed sequence over `world_size` ranks of `group`, every block's attention wrapped, each
-    rank's heads exchanged in `parts` parts."""
+def install_ulysses(model: DiT, group: ProcessGroup | None, rank: int, world_size: int) -> UlyssesHandle:
+    """Shard `model`'s packed sequence over `world_size` ranks of `group`, every block's attention wrapped."""
     heads = model.args.num_heads
     if world_size < 1 or heads % world_size:
         raise ValueError(f"Ulysses degree {world_size} must be >= 1 and divide num_heads={heads}")
-    if parts < 1 or (heads // world_size) % parts:
-        raise ValueError(f"{parts} exchange parts must be >= 1 and divide the {heads // world_size} heads per rank")
     if not isinstance(model.sequence_shard, NoShard):
         raise ValueError("a sequence shard is already installed on this DiT; remove it first")
-    shard = UlyssesShard(group, rank, world_size, parts)
+    shard = UlyssesShard(group, rank, world_size)
     model.sequence_shard = shard
     handle = UlyssesHandle(model, world_size, rank, shard)
-    log.info("Ulysses installed: rank %d of %d, %d heads per rank exchanged in %d part(s)", rank, world_size,
-             heads // world_size, parts)
+    log.info("Ulysses installed: rank %d of %d, %d heads per rank", rank, world_size, heads // world_size)
     return handle

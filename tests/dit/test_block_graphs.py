@@ -10,7 +10,7 @@ from services.dit.block_graphs import BlockGraphs
 from services.dit.geometry import Canvas
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, FullAttention, HeadExchange, build_random
+from services.dit.model import PRESETS, FullAttention, build_random
 from services.dit.runtime import DiTRuntime, text_free_block_shapes
 
 ARGS = PRESETS["tiny"]
@@ -38,7 +38,7 @@ def forward_both_ways(device: str, dtype: torch.dtype):
     (video, audio, text, layout), rows, slots = document(device, dtype)
     with torch.no_grad():
         eager = model(video, audio, text, layout, FullAttention(layout))
-        graphs = BlockGraphs(model, adapter, torch.device(device), HeadExchange())
+        graphs = BlockGraphs(model, adapter, torch.device(device), 1)
         graphs.capture(rows, slots)
         graphs.seal()
         model.block_graphs = graphs
@@ -68,7 +68,7 @@ def test_replayed_pieces_compute_the_block_loop_bitwise(device, dtype):
 @pytest.mark.cpu
 def test_only_a_captured_shape_replays_and_shapes_are_captured_once():
     model, adapter = model_and_adapter("cpu", torch.float32)
-    graphs = BlockGraphs(model, adapter, torch.device("cpu"), HeadExchange())
+    graphs = BlockGraphs(model, adapter, torch.device("cpu"), 1)
     graphs.capture(128, 2)
     with pytest.raises(ValueError, match="already captured"):
         graphs.capture(128, 2)
@@ -79,14 +79,12 @@ def test_only_a_captured_shape_replays_and_shapes_are_captured_once():
     assert not graphs.covers(torch.zeros(192, ARGS.hidden_size), tables)
     assert not graphs.covers(torch.zeros(128, ARGS.hidden_size), [torch.zeros(3, 6, ARGS.hidden_size)])
     assert graphs.shapes == [(128, 2)]
-    # pieces captured for a Ulysses group of two replay only under a shard that exchanges heads that way
-    usp2 = BlockGraphs(model, adapter, torch.device("cpu"), HeadExchange(2, 2))
+    # pieces captured for a Ulysses group of two replay only under a shard of that degree
+    usp2 = BlockGraphs(model, adapter, torch.device("cpu"), 2)
     usp2.capture(128, 2)
     assert not usp2.covers(torch.zeros(128, ARGS.hidden_size), tables)
-    with pytest.raises(ValueError, match="3 ranks in 1 parts does not divide num_heads=4"):
-        BlockGraphs(model, adapter, torch.device("cpu"), HeadExchange(3))
-    with pytest.raises(ValueError, match="2 ranks in 0 parts: both must be >= 1"):
-        HeadExchange(2, 0)
+    with pytest.raises(ValueError, match="degree 3 must be >= 1 and divide num_heads=4"):
+        BlockGraphs(model, adapter, torch.device("cpu"), 3)
 
 
 @pytest.mark.cpu
@@ -97,7 +95,7 @@ def test_a_session_replays_every_text_free_forward():
         model, adapter = model_and_adapter("cpu", torch.float32)
         graphs = None
         if with_graphs:
-            graphs = BlockGraphs(model, adapter, torch.device("cpu"), HeadExchange())
+            graphs = BlockGraphs(model, adapter, torch.device("cpu"), 1)
             for rows, slots in text_free_block_shapes([canvas], 1):
                 graphs.capture(rows, slots)
             graphs.seal()

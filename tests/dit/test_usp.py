@@ -21,8 +21,7 @@ from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.launch import GroupOptions, free_port, rank_device_env
 from services.dit.layout import pack_layout
-from services.dit.model import (PRESETS, DiT, FullAttention, HeadExchange, NoShard, build_random,
-                                pack_head_groups)
+from services.dit.model import PRESETS, DiT, FullAttention, build_random, pack_head_groups
 from services.dit.runtime import DiTRuntime, text_free_block_shapes
 from services.dit.sp import UlyssesAttend, heads_to_rows, install_ulysses, out_to_rows
 
@@ -39,18 +38,15 @@ def build_tiny(profile: Profile, device: torch.device) -> DiTRuntime:
                                                          ulysses_degree=profile.dit.usp_degree))
     runtime.teacher.overlap = profile.dit.teacher_overlap
     if profile.dit.usp_degree > 1:  # the group's text-free forwards through the block pieces (eager on the CPU)
-        model.block_graphs = BlockGraphs(model, None, device,
-                                         HeadExchange(profile.dit.usp_degree, profile.dit.all_to_all_parts))
+        model.block_graphs = BlockGraphs(model, None, device, profile.dit.usp_degree)
         for rows, slots in text_free_block_shapes([Canvas(*CANVAS)], profile.dit.usp_degree):
             model.block_graphs.capture(rows, slots)
     return runtime
 
 
-def tiny_profile(devices: tuple[str, ...], dtype: str = "float32", teacher_staged: bool = False,
-                 all_to_all_parts: int = 1) -> Profile:
+def tiny_profile(devices: tuple[str, ...], dtype: str = "float32", teacher_staged: bool = False) -> Profile:
     return Profile(name="usp-test", model=ModelConfig(preset="tiny", dir="/nonexistent"),
-                   dit=DiTConfig(devices=devices, dtype=dtype, canvas_short_edges=(64,), teacher_staged=teacher_staged,
-                                 all_to_all_parts=all_to_all_parts))
+                   dit=DiTConfig(devices=devices, dtype=dtype, canvas_short_edges=(64,), teacher_staged=teacher_staged))
 
 
 def forward_inputs(device: str = "cpu"):
@@ -97,32 +93,17 @@ def _forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         q, k, v = (torch.randn(layout.seq_len, ARGS.num_heads, ARGS.head_dim, generator=gen) for _ in range(3))
         rows, heads = layout.seq_len // world, ARGS.num_heads // world
         mine = slice(rank * rows, (rank + 1) * rows)
-        send = pack_head_groups(q[mine], k[mine], v[mine], q.new_empty(1, world, rows, 3, heads, ARGS.head_dim))
-        got, _ = heads_to_rows(send[0], None)  # [S, 3, H/N, D]
+        send = pack_head_groups(q[mine], k[mine], v[mine], q.new_empty(world, rows, 3, heads, ARGS.head_dim))
+        got = heads_to_rows(send, None)  # [S, 3, H/N, D]
         head_slice = slice(rank * heads, (rank + 1) * heads)
         result["a2a_exact"] = all(torch.equal(got[:, i], t[:, head_slice]) for i, t in enumerate((q, k, v)))
-        back, _ = out_to_rows(q[:, head_slice], None, world)  # [N, S/N, H/N, D]: head group i of our rows
+        back = out_to_rows(q[:, head_slice], None, world)  # [N, S/N, H/N, D]: head group i of our rows
         result["a2a_back_exact"] = torch.equal(back.transpose(0, 1).flatten(1, 2), q[mine])
-        # a block's attention in one exchange and in parts over disjoint heads (each part told its heads), from
-        # q, k, v and from the packed send buffer (the block graphs' path): all the same bits
-        seen = []
-
-        def inner(q, k, v, heads=slice(None)):
-            seen.append(heads)
-            return full(0, q, k, v)
-
-        whole = UlyssesAttend(inner, None, HeadExchange(world, 1))(q[mine], k[mine], v[mine])
-        result["parts_exact"] = seen == [slice(None)]
-        for parts in (1, heads):
-            exchange = HeadExchange(world, parts)
-            attend = UlyssesAttend(inner, None, exchange)
-            seen.clear()
-            in_parts = attend(q[mine], k[mine], v[mine])
-            out = torch.empty(rows, ARGS.num_heads, ARGS.head_dim)
-            attend.packed(pack_head_groups(q[mine], k[mine], v[mine],
-                                           q.new_empty(exchange.send_shape(rows, ARGS.num_heads, ARGS.head_dim))), out)
-            want = ([slice(None)] if parts == 1 else [slice(p, p + 1) for p in range(heads)]) * 2
-            result["parts_exact"] &= torch.equal(in_parts, whole) and torch.equal(out, whole) and seen == want
+        # a block's attention from the packed send buffer (the block graphs' path) equals the one from q, k, v
+        attend = UlyssesAttend(lambda q, k, v: full(0, q, k, v), None, world)
+        out = torch.empty(rows, ARGS.num_heads, ARGS.head_dim)
+        attend.packed(send, out)
+        result["packed_exact"] = torch.equal(out, attend(q[mine], k[mine], v[mine]))
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -151,7 +132,7 @@ def test_full_attention_forward_usp2_usp4_match_one_rank(tmp_path):
     run_ranks(_forward_rank, 4, free_port("127.0.0.1"), str(tmp_path))
     for r in range(4):
         got = torch.load(tmp_path / f"rank{r}.pt")
-        assert got["a2a_exact"] and got["a2a_back_exact"] and got["parts_exact"]
+        assert got["a2a_exact"] and got["a2a_back_exact"] and got["packed_exact"]
         for n in (2, 4):
             # the inner pattern saw every row but only this rank's heads, as views of the receive buffer
             expect = [((layout.seq_len, ARGS.num_heads // n, ARGS.head_dim), True)] * ARGS.num_layers
@@ -160,16 +141,6 @@ def test_full_attention_forward_usp2_usp4_match_one_rank(tmp_path):
                 assert out.shape == ref.shape
                 err = (out - ref).abs().max() / ref.abs().max()
                 assert err < 1e-5, f"USP{n} rank {r}: relative error {err:.2e}"
-
-
-@pytest.mark.cpu
-def test_exchange_parts_must_divide_the_heads_per_rank_and_need_a_group():
-    with pytest.raises(ValueError, match="all_to_all_parts=2 needs 2 or 4 dit.devices"):
-        DiTConfig(devices=("cpu",), all_to_all_parts=2)
-    with pytest.raises(ValueError, match="all_to_all_parts=0: must be a whole number"):
-        DiTConfig(devices=("cpu", "cpu"), all_to_all_parts=0)
-    with pytest.raises(ValueError, match="3 exchange parts must be >= 1 and divide the 2 heads per rank"):
-        install_ulysses(build_random(ARGS, "cpu", torch.float32, seed=0), None, 0, 2, parts=3)
 
 
 HOLD = HoldConfig(enabled=True, max_seconds=0.3, poll_seconds=0.02)
@@ -199,9 +170,8 @@ def run_or_raise(fn):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("staged, parts", [(False, 1), (True, 1), (False, 2)],
-                         ids=["teacher_whole", "teacher_staged", "exchange_in_parts"])
-def test_usp2_streaming_session_matches_one_rank(staged, parts):
+@pytest.mark.parametrize("staged", [False, True], ids=["teacher_whole", "teacher_staged"])
+def test_usp2_streaming_session_matches_one_rank(staged):
     gen = torch.Generator().manual_seed(11)
     prompts = [PromptUpdate(torch.randn(6, ARGS.text_dim, generator=gen), "e0"),
                PromptUpdate(torch.randn(9, ARGS.text_dim, generator=gen), "e1"),
@@ -213,11 +183,10 @@ def test_usp2_streaming_session_matches_one_rank(staged, parts):
     session.close()
     assert [o.meta.active_event_id for o in ref[::4]] == ["e0", "e1", "fallback"]
 
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu"), teacher_staged=staged, all_to_all_parts=parts), build_tiny,
+    group = DiTGroup.start(tiny_profile(("cpu", "cpu"), teacher_staged=staged), build_tiny,
                            GroupOptions(timeout_s=30, heartbeat_s=2))
     try:
         assert (group.runtime.teacher.stages is not None) == staged
-        assert group.runtime.model.sequence_shard.exchange == HeadExchange(2, parts)
         session = group.open_session(session_config(), prompts[0], prompts[2])
         assert group.active_session is session
         outs = drive(session, prompts)
@@ -347,15 +316,15 @@ def test_rank_devices_map_through_the_parents_visible_list():
 
 
 @contextmanager
-def nccl_ulysses_model(rank: int, world: int, port: int, parts: int = 1) -> Iterator[DiT]:
-    """In a spawned rank: join an NCCL group on cuda:`rank` and yield the tiny seed-0 DiT (BF16) sharded over it,
-    its heads exchanged in `parts` parts; the group is left on the way out."""
+def nccl_ulysses_model(rank: int, world: int, port: int) -> Iterator[DiT]:
+    """In a spawned rank: join an NCCL group on cuda:`rank` and yield the tiny seed-0 DiT (BF16) sharded over it;
+    the group is left on the way out."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     try:
         model = build_random(ARGS, f"cuda:{rank}", torch.bfloat16, seed=0)
-        install_ulysses(model, None, rank, world, parts)
+        install_ulysses(model, None, rank, world)
         yield model
     finally:
         dist.destroy_process_group()
@@ -364,14 +333,9 @@ def nccl_ulysses_model(rank: int, world: int, port: int, parts: int = 1) -> Iter
 def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     with nccl_ulysses_model(rank, world, port) as model:
         video, audio, text, layout = forward_inputs(f"cuda:{rank}")
-        result = {}
-        for parts in (1, 2):  # one exchange, then two over disjoint heads on the group's stream beside the attention
-            model.sequence_shard = NoShard()
-            install_ulysses(model, None, rank, world, parts)
-            with torch.no_grad():
-                out = model(video, audio, text, layout, FullAttention(layout))
-            result[parts] = {"video": out[0].cpu(), "audio": out[1].cpu()}
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        with torch.no_grad():
+            out = model(video, audio, text, layout, FullAttention(layout))
+        torch.save({"video": out[0].cpu(), "audio": out[1].cpu()}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.multi_gpu
@@ -383,10 +347,6 @@ def test_usp2_nccl_forward_matches_one_gpu(tmp_path):
         ref_v, ref_a = (t.cpu() for t in model(video, audio, text, layout, FullAttention(layout)))
     run_ranks(_nccl_rank, 2, free_port("127.0.0.1"), str(tmp_path))
     got = torch.load(tmp_path / "rank0.pt")
-    for parts in (1, 2):
-        for ref, out in ((ref_v, got[parts]["video"]), (ref_a, got[parts]["audio"])):
-            err = (out - ref).abs().max() / ref.abs().max()
-            assert err < 2e-2, f"USP2 NCCL ({parts} part(s)) vs 1 GPU: relative error {err:.2e}"
-    for name in ("video", "audio"):  # each head attends alike in either exchange
-        one, two = got[1][name], got[2][name]
-        assert (two - one).abs().max() <= 1e-3 * one.abs().max(), name
+    for ref, out in ((ref_v, got["video"]), (ref_a, got["audio"])):
+        err = (out - ref).abs().max() / ref.abs().max()
+        assert err < 2e-2, f"USP2 NCCL vs 1 GPU: relative error {err:.2e}"
