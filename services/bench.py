@@ -49,7 +49,7 @@ from services.gateway.config import GatewayConfig
 from services.gpu_trace import KernelTrace
 from services.vae.incremental import audio_graph_lengths, warm_up_video
 from services.vae.model import AudioDecoder, VideoDecoder, build_audio_vae, build_video_vae
-from services.vae.service import DecodeSession, limit_mps_sm_share
+from services.vae.service import DecodeSession
 
 log = logging.getLogger("services.bench")
 
@@ -189,7 +189,6 @@ def vae_worker(opts, inbox, outbox) -> None:
     """
     device = torch.device(opts.devices.split(",")[-1])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    limit_mps_sm_share(opts.vae_mps_sm_percent)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
@@ -377,8 +376,7 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
                  "no VAE (--no-vae): delivered when the DiT hands a phase over" if opts.no_vae else
                  f"VAE + mux in their own process on {opts.devices.split(',')[-1]} (tiles overlap >= "
                  f"{opts.tile_overlap} px, tiles shared with {opts.vae_tile_devices or 'no other device'}, "
-                 f"ViT blocks compiled: {opts.vae_compile}, audio decoder graphs: {opts.vae_graphs}, "
-                 f"SMs under MPS: {opts.vae_mps_sm_percent}%), "
+                 f"ViT blocks compiled: {opts.vae_compile}, audio decoder graphs: {opts.vae_graphs}), "
                  f"pipelined with a window of {opts.window} phases"),
              f"start-up (build on device + warm-up phase): {startup:.1f} s",
              f"time to first chunk, includes the first prompt's encode and the teacher: {ttfc:.3f} s (first session "
@@ -464,7 +462,7 @@ def baseline(opts, device, model: DiT) -> dict:
 PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
                    "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "teacher_overlap", "teacher_staged",
                    "reuse_text_kv",
-                   "tile_overlap", "vae_tile_devices", "vae_compile", "vae_graphs", "vae_mps_sm_percent", "window")
+                   "tile_overlap", "vae_tile_devices", "vae_compile", "vae_graphs", "window")
 """The bench options `--profile` takes from a deployment profile."""
 
 
@@ -483,8 +481,7 @@ def profile_options(profile: Profile) -> dict:
                 teacher_overlap=dit.teacher_overlap, teacher_staged=dit.teacher_staged,
                 reuse_text_kv=dit.reuse_text_kv,
                 tile_overlap=vae.tile_overlap_px, vae_tile_devices=",".join(vae.tile_devices),
-                vae_compile=vae.compile_blocks, vae_graphs=vae.cuda_graphs, vae_mps_sm_percent=vae.mps_sm_percent,
-                window=dit.max_phases_ahead)
+                vae_compile=vae.compile_blocks, vae_graphs=vae.cuda_graphs, window=dit.max_phases_ahead)
 
 
 def main() -> None:
@@ -531,9 +528,6 @@ def main() -> None:
                              "(vae.compile_blocks)")
     parser.add_argument("--vae-graphs", action="store_true",
                         help="capture the audio decoder per phase size as CUDA graphs (vae.cuda_graphs)")
-    parser.add_argument("--vae-mps-sm-percent", type=int, default=VAEConfig().mps_sm_percent,
-                        help="under NVIDIA MPS, the share of each GPU's SMs the VAE process may use "
-                             "(vae.mps_sm_percent)")
     parser.add_argument("--no-vae", action="store_true",
                         help="no decode or mux: a chunk counts as delivered when the DiT hands it over")
     parser.add_argument("--trace-request", type=int, default=-1,
@@ -551,8 +545,6 @@ def main() -> None:
             vars(opts).update(profile_options(load_profile(opts.profile)))
         except ValueError as e:
             parser.error(str(e))
-    if not 1 <= opts.vae_mps_sm_percent <= 100:
-        parser.error(f"--vae-mps-sm-percent {opts.vae_mps_sm_percent}: must lie in 1..100")
     if not -1 <= opts.trace_request < opts.requests:
         parser.error(f"--trace-request {opts.trace_request}: the session has requests 0..{opts.requests - 1}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

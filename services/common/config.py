@@ -220,10 +220,6 @@ class VAEConfig:
     """torch.compile the video decoder's ViT blocks (CUDA devices only): a third less decode time on an H200, with
     frames within BF16 rounding of the eager decode instead of bitwise equal to it. Every phase shape of the
     allowed canvases is compiled at start-up (the warm-up), so nothing compiles while serving."""
-    mps_sm_percent: int = 100
-    """Under an NVIDIA MPS server (deploy/README.md), the share of each GPU's SMs the VAE process's kernels may use
-    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set in the process before CUDA starts): the decode then takes longer but
-    leaves the DiT rank beside it most of the GPU while both run. 100: no limit. Without MPS it changes nothing."""
     cuda_graphs: bool = False
     """Capture the audio decoder (a vocoder of many small kernels, decoded in the VAE's audio thread) as one CUDA
     graph per phase size at start-up (CUDA only); the replay equals the eager decode bitwise."""
@@ -237,8 +233,6 @@ class VAEConfig:
         if self.compile_blocks and not all(d.startswith("cuda") for d in (self.device, *self.tile_devices)):
             raise ValueError(f"vae.compile_blocks needs CUDA devices, got vae.device={self.device!r} and "
                              f"vae.tile_devices={list(self.tile_devices)}")
-        if not isinstance(self.mps_sm_percent, int) or not 1 <= self.mps_sm_percent <= 100:
-            raise ValueError(f"vae.mps_sm_percent={self.mps_sm_percent!r}: must be a whole number from 1 to 100")
         if not isinstance(self.tile_overlap_px, int) or not 16 <= self.tile_overlap_px < 256 \
                 or self.tile_overlap_px % 16:
             raise ValueError(f"vae.tile_overlap_px={self.tile_overlap_px!r}: must be a multiple of 16 from 16 to 240")

@@ -6,7 +6,6 @@ incremental decoders (temporal context) and its own muxer (one H.264 + AAC timel
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 import threading
 import time
@@ -107,19 +106,6 @@ class DecodeSession:
                      audio_decode_seconds=0.0, mux_seconds=time.perf_counter() - t0)
 
 
-def limit_mps_sm_share(percent: int) -> None:
-    """Let this process's kernels use at most `percent` of each GPU's SMs when it runs under an MPS server.
-
-    MPS reads the limit once, when the process creates its CUDA context, so this must come first."""
-    if percent == 100:
-        return
-    if torch.cuda.is_initialized():
-        raise RuntimeError(f"vae.mps_sm_percent={percent}: CUDA already started in this process, so MPS would "
-                           "not apply the limit; set it before any CUDA call")
-    os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percent)
-    log.info("VAE kernels limited to %d%% of each GPU's SMs under MPS", percent)
-
-
 class VAEService(Stage):
     """Owns the shared video and audio decoders of one process."""
 
@@ -133,7 +119,6 @@ class VAEService(Stage):
     def start(self) -> None:
         """Load both decoders from the checkpoint tree."""
         cfg = self.profile.vae
-        limit_mps_sm_share(cfg.mps_sm_percent)
         root = pathlib.Path(self.profile.model.dir) / "MiniMax-H3"
         dtype = getattr(torch, cfg.dtype)
         replicas = [load_video_vae(root, device, dtype) for device in cfg.tile_devices]
