@@ -55,23 +55,32 @@ class AdaLNTable(nn.Module):
         self.register_buffer("final", final, persistent=False)
         self._selections: dict[tuple, torch.Tensor] = {}  # (slot list, device) -> index tensor on that device
 
-    def lookup(self, values: Sequence[float], blocks: range) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Tables for a layout's timestep values: per block of `blocks` [n * 3, 6, C], and final [n, 2, C]."""
+    def block_tables(self, values: Sequence[float], blocks: range) -> list[torch.Tensor]:
+        """Per block of `blocks`, the table `[n * 3, 6, C]` of a layout's timestep values."""
+        table = self.blocks[blocks.start:blocks.stop]  # [len(blocks), n_cached, 3, 6, C]
+        sel = self._select(values)
+        chosen = table if sel is None else table.index_select(1, sel)
+        return [b.flatten(0, 1) for b in chosen.unbind(0)]
+
+    def final_table(self, values: Sequence[float]) -> torch.Tensor:
+        """The final layer's table `[n, 2, C]` of a layout's timestep values."""
+        sel = self._select(values)
+        return self.final if sel is None else self.final.index_select(0, sel)
+
+    def _select(self, values: Sequence[float]) -> torch.Tensor | None:
+        """The cached slots of `values` as an index tensor, or None when they are every slot in order."""
         missing = [v for v in values if v not in self.slot_of]
         if missing:
             raise AdaLNCacheError(f"timesteps {missing} are not in the AdaLN cache (cached: {list(self.timesteps)}); "
                                   "call cache_adaln with every t the schedule uses")
         idx = tuple(self.slot_of[v] for v in values)
-        table = self.blocks[blocks.start:blocks.stop]  # [len(blocks), n_cached, 3, 6, C]
         if idx == tuple(range(len(self.timesteps))):
-            chosen, final = table, self.final
-        else:
-            key = (idx, self.blocks.device)
-            sel = self._selections.get(key)
-            if sel is None:  # made once per slot list, never inside a CUDA graph capture (a host-to-device copy)
-                sel = self._selections[key] = torch.tensor(idx, device=self.blocks.device)
-            chosen, final = table.index_select(1, sel), self.final.index_select(0, sel)
-        return [b.flatten(0, 1) for b in chosen.unbind(0)], final
+            return None
+        key = (idx, self.blocks.device)
+        sel = self._selections.get(key)
+        if sel is None:  # made once per slot list, never inside a CUDA graph capture (a host-to-device copy)
+            sel = self._selections[key] = torch.tensor(idx, device=self.blocks.device)
+        return sel
 
 
 @torch.no_grad()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 from services.dit.geometry import Canvas
 from services.dit.launch import free_port
 from services.dit.model import PRESETS
+from services.dit.probe import time_call
 from services.dit.runtime import text_free_block_shapes
 from services.dit.sp import heads_to_rows, out_to_rows
 
@@ -31,7 +31,7 @@ class Exchange:
     """Packed rows on each rank."""
     name: str
     seconds: float
-    """Per exchange, rank 0's clock."""
+    """Per exchange, the median on rank 0's clock."""
     crossing_bytes: int
     """What rank 0 sends to the other ranks (its own chunk stays)."""
 
@@ -56,33 +56,14 @@ def _rank(rank: int, world: int, port: int, device: str, preset: str, rows_list:
             out = torch.randn(world * rows, heads, dim, device=dev).to(dtype)  # [S, H/N, D]
             for name, exchange, tensor in (("q, k, v", lambda: heads_to_rows(send, None), send),
                                            ("output", lambda: out_to_rows(out, None, world), out)):
-                seconds = _time(exchange, iters, dev)
+                dist.barrier()  # every rank starts together
+                seconds = time_call(exchange, dev, iters)
                 crossing = tensor.numel() * tensor.element_size() * (world - 1) // world
                 measured.append(Exchange(rows, name, seconds, crossing))
         if rank == 0:
             results.put(measured)
     finally:
         dist.destroy_process_group()
-
-
-def _time(exchange, iters: int, dev: torch.device) -> float:
-    """Mean seconds of `exchange()` over `iters` calls after a warm-up, all ranks starting together."""
-    for _ in range(3):
-        exchange()
-    dist.barrier()
-    if dev.type != "cuda":
-        started = time.perf_counter()
-        for _ in range(iters):
-            exchange()
-        return (time.perf_counter() - started) / iters
-    torch.cuda.synchronize(dev)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        exchange()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
 
 
 def measure(world: int, device: str, preset: str, rows_list: list[int], iters: int) -> list[Exchange]:
@@ -110,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="full", choices=sorted(PRESETS))
     parser.add_argument("--width", type=int, default=864)
     parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per exchange (the median is printed)")
     a = parser.parse_args(argv)
     rows_list = sorted({rows for rows, _ in text_free_block_shapes([Canvas(a.width, a.height)], a.world)})
     measured = measure(a.world, a.device, a.preset, rows_list, a.iters)

@@ -443,15 +443,19 @@ class DiT(nn.Module):
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"{name} has shape {shape}, expected ({rows}, {width}) for this layout")
 
-    def _modulations(self, layout: PackedLayout, blocks: range) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Per block of `blocks` [n * 3, 6, C] AdaLN tables and the final layer's [n, 2, C] table for the layout's
-        timesteps."""
-        c = self.args.hidden_size
+    def _block_tables(self, layout: PackedLayout, blocks: range) -> list[torch.Tensor]:
+        """Per block of `blocks`, the AdaLN table `[n * 3, 6, C]` of the layout's timesteps."""
         if self.adaln_table is not None:
-            return self.adaln_table.lookup(layout.timestep_values, blocks)
+            return self.adaln_table.block_tables(layout.timestep_values, blocks)
         temb = self.time_embedder(layout.timesteps)  # [n, E] float32
-        tables = [self.blocks[i].adaln_proj(temb).view(-1, 6, c) for i in blocks]
-        return tables, self.final_layer.adaln_proj(temb).view(-1, 2, c)
+        return [self.blocks[i].adaln_proj(temb).view(-1, 6, self.args.hidden_size) for i in blocks]
+
+    def _final_table(self, layout: PackedLayout) -> torch.Tensor:
+        """The final layer's table `[n, 2, C]` of the layout's timesteps."""
+        if self.adaln_table is not None:
+            return self.adaln_table.final_table(layout.timestep_values)
+        temb = self.time_embedder(layout.timesteps)  # [n, E] float32
+        return self.final_layer.adaln_proj(temb).view(-1, 2, self.args.hidden_size)
 
     def forward(self, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor, layout: PackedLayout,
                 attention: AttentionPattern, heads: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -485,7 +489,7 @@ class DiT(nn.Module):
         sequence shard inside; every block eagerly, or the whole stack replaying the piecewise CUDA graphs captured
         for its shape (`block_graphs`)."""
         dev = x.device
-        mods, _ = self._modulations(layout, blocks)  # AdaLN tables, one per block
+        mods = self._block_tables(layout, blocks)
         cos, sin = self.rope(layout.positions.to(dev))
         shard = self.sequence_shard
         x = shard.split(x)  # [S, C] -> [S / N, C] on this rank
@@ -504,7 +508,7 @@ class DiT(nn.Module):
         """Final norm + (shift, scale) per timestep slot on the video and audio rows of `x` `[S, C]`, then the
         float32 heads: (video_v [Tv, 96], audio_v [Ta, 32])."""
         dev = x.device
-        _, final_mod = self._modulations(layout, range(0))
+        final_mod = self._final_table(layout)
         sel = torch.cat([layout.video_index, layout.audio_index]).to(dev)
         fm = final_mod.index_select(0, layout.timestep_slot.to(dev).index_select(0, sel))  # [Tv + Ta, 2, C]
         h = self.final_layer.norm(x.index_select(0, sel)) * (1.0 + fm[:, 1]) + fm[:, 0]

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from einops import rearrange
 from torch.distributed import ProcessGroup
 
 from services.dit.model import DiT, NoShard, pack_head_groups
@@ -95,8 +94,9 @@ class UlyssesAttend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [S/N, H, D] -> [S/N, H, D]
         send = q.new_empty(self.world_size, q.shape[0], 3, q.shape[1] // self.world_size, q.shape[2])
-        heads = self._exchange(pack_head_groups(q, k, v, send))  # [N, S/N, H/N, D]
-        return rearrange(heads, "n s h d -> s (n h) d")
+        out = torch.empty_like(q)
+        self.packed(pack_head_groups(q, k, v, send), out)
+        return out
 
     def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
         # send: [N, S/N, 3, H/N, D] -> out: [S/N, H, D]
