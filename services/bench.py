@@ -184,8 +184,9 @@ def gpu_memory_in_use() -> dict[str, int]:
 def vae_worker(opts, inbox, outbox) -> None:
     """The VAE stage in its own process on the last device: decode and mux every phase put in `inbox`.
 
-    Messages in: ("phase", video [F, C, h, w], audio [2, A, 32]), ("reset",) before a new session, None to stop.
-    Out: "ready" once built, then per phase a dict of stage seconds and the monotonic time its chunk was muxed.
+    Messages in: ("phase", video [F, C, h, w], audio [2, A, 32], the monotonic time it was put), ("reset",) before a
+    new session, None to stop. Out: "ready" once built, then per phase a dict of stage seconds (`hand_over`: from
+    the put to the decode's start, the latents on the device) and the monotonic time its chunk was muxed.
     """
     device = torch.device(opts.devices.split(",")[-1])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -209,10 +210,13 @@ def vae_worker(opts, inbox, outbox) -> None:
                 session = DecodeSession(decoder, audio, opts.width, opts.height, VIDEO_FPS, AUDIO_SAMPLE_RATE,
                                         VAEConfig().x264_preset, lock, audio_worker)
                 continue
-            _, video, audio_latents = msg
-            chunk = session.phase(video.to(device), audio_latents.to(device))
-            outbox.put(dict(video_decode=chunk.video_decode_seconds, audio_decode=chunk.audio_decode_seconds,
-                            mux=chunk.mux_seconds, bytes=len(chunk.data), delivered=time.monotonic()))
+            _, video, audio_latents, put = msg
+            video, audio_latents = video.to(device), audio_latents.to(device)
+            hand_over = time.monotonic() - put
+            chunk = session.phase(video, audio_latents)
+            outbox.put(dict(hand_over=hand_over, video_decode=chunk.video_decode_seconds,
+                            audio_decode=chunk.audio_decode_seconds, mux=chunk.mux_seconds, bytes=len(chunk.data),
+                            delivered=time.monotonic()))
         audio_worker.shutdown()
 
 
@@ -236,7 +240,7 @@ class VAEStage:
     def submit(self, video: torch.Tensor, audio: torch.Tensor) -> None:
         while self.in_flight >= self.window:  # the DiT may run at most `window` phases ahead of delivered chunks
             self._take()
-        self.inbox.put(("phase", video, audio))
+        self.inbox.put(("phase", video, audio, time.monotonic()))
         self.in_flight += 1
 
     def drain(self) -> list[dict]:
@@ -265,7 +269,8 @@ class NoVAE:
         self.results = []
 
     def submit(self, video: torch.Tensor, audio: torch.Tensor) -> None:
-        self.results.append(dict(video_decode=0.0, audio_decode=0.0, mux=0.0, bytes=0, delivered=time.monotonic()))
+        self.results.append(dict(hand_over=0.0, video_decode=0.0, audio_decode=0.0, mux=0.0, bytes=0,
+                                 delivered=time.monotonic()))
 
     def drain(self) -> list[dict]:
         return self.results
@@ -304,12 +309,14 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     encode_s = time.monotonic() - t_open
     session = runtime.open_session(SessionConfig(seed=8301, width=opts.width, height=opts.height),
                                    PromptUpdate(first.float(), "p0"))
+    open_s = time.monotonic() - t_open - encode_s
     phases = [(k, p) for k in range(opts.requests) for p in range(PHASES_PER_REQUEST)][:max_phases or None]
     prompt_tokens = {0: first.shape[0]}
     first_logged = False
     try:
         for k, p in phases:
-            rec = {"request": k, "phase": p, "encode": encode_s if not records else 0.0}
+            rec = {"request": k, "phase": p, "encode": encode_s if not records else 0.0,
+                   "open": open_s if not records else 0.0}
             if p == 1 and k + 1 < opts.requests:  # the next request's prompt arrives mid-request
                 text = encoder.encode_bytes(prompt_text(k + 1, opts.prompt_tokens))
                 prompt_tokens[k + 1] = text.shape[0]
@@ -331,6 +338,8 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
             video, audio = transport(out.video, "video"), transport(out.audio, "audio")
             rec["transport"] = time.perf_counter() - t1
             vae.submit(video, audio)
+            if opts.first_chunk_alone and not records:  # the first chunk decodes with the GPUs to itself
+                vae.drain()
             records.append(rec)
             if not first_logged and vae.results:  # logged as soon as known, so a cut-off run keeps it
                 log.info("time to first chunk %.3f s", vae.results[0]["delivered"] - t_open)
@@ -355,8 +364,8 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
 def first_chunk_parts(first: dict, ttfc: float, teacher_beside: bool) -> str:
     """Where a session's first chunk went: its record's stage seconds in order, the rest as waiting (a teacher
     replayed beside the students overlaps them inside the DiT's share)."""
-    parts = {s: first[s] for s in ("encode", "dit", "transport", "video_decode", "mux")}
-    parts["waiting"] = ttfc - sum(parts.values())  # queues, the VAE process's hand-over, the clock's resolution
+    parts = {s: first[s] for s in ("encode", "open", "dit", "transport", "hand_over", "video_decode", "mux")}
+    parts["waiting"] = ttfc - sum(parts.values())  # the DiT's phase call to its timer, the clock's resolution
     beside = " beside the students" if teacher_beside else ""
     inside = (f"teacher {first['teacher']:.3f}{beside}, students {first['student']:.3f}, "
               f"commit {first['commit']:.3f}")
@@ -383,8 +392,9 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
              f"after start-up), {warm_ttfc:.3f} s (warm: a second session)",
              f"first chunk, cold: {first_chunk_parts(records[0], ttfc, opts.teacher_overlap)}",
              f"first chunk, warm: {first_chunk_parts(warm_first, warm_ttfc, opts.teacher_overlap)}",
-             "(video_decode: the phase's video decode; mux: its H.264, the wait for the audio thread (decode and "
-             "AAC), the fragment; waiting: the rest)",
+             "(open: the session's opening; hand_over: from the DiT's put to the VAE process's decode, latents on "
+             "its GPU; video_decode: the phase's video decode; mux: its H.264, the wait for the audio thread (decode "
+             "and AAC), the fragment; waiting: the rest)",
              "delivered = time between the last chunk of the request before and this request's last chunk; "
              "RTF = delivered / media seconds", "",
              "req |   DiT s | teacher | student | commit | transport | vdecode | adecode |  mux | delivered s | RTF "
@@ -533,6 +543,8 @@ def main() -> None:
     parser.add_argument("--trace-request", type=int, default=-1,
                         help="profile this request's GPU kernels on the DiT's rank 0 and print how busy its GPU was "
                              "and with which kernels (attention, GEMM, NCCL, other)")
+    parser.add_argument("--first-chunk-alone", action="store_true",
+                        help="start a session's second phase only once its first chunk is delivered")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,
                         help="phases the DiT may run ahead of delivered chunks (the services' dit.max_phases_ahead)")
     opts = parser.parse_args()

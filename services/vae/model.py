@@ -20,8 +20,8 @@ so the decode's GPU time is spread over the GPUs the DiT ranks share with it.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-from typing import ContextManager, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
@@ -297,6 +297,21 @@ class AudioDecoder:
         self._std = torch.tensor(vae.config.latents_std, **stats).view(1, -1, 1)
         self.graphs: CudaGraphBank | None = None
         """The decode captured per latent length (`capture_graphs`); None decodes eagerly."""
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        """The decode's own CUDA stream (`own_stream`), so it runs beside the video decode instead of queued
+        behind the video's kernels on the legacy default stream, which every thread of the process shares."""
+
+    @contextmanager
+    def own_stream(self, ready: "torch.cuda.Event | None") -> Iterator[None]:
+        """Queue the block's kernels on the decoder's own stream, after `ready` (recorded by the thread that made
+        the latents, on its stream); nothing on the CPU."""
+        if self.stream is None:
+            yield
+            return
+        if ready is not None:
+            self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            yield
 
     @property
     def hop_length(self) -> int:

@@ -60,8 +60,8 @@ class DecodeSession:
         """Decode one phase ([F, 24, h, w] video, [2, A, 32] audio latents) and mux it.
 
         The audio decodes and then AAC-encodes in the worker thread while the video decodes and H.264-encodes here:
-        the audio decoder's many small kernels are queued while the GPU runs the video's ViT, and the two encoders
-        run side by side on the host (FFmpeg runs without the GIL).
+        the audio decoder's kernels run on a stream of their own beside the video's ViT, and the two encoders run
+        side by side on the host (FFmpeg runs without the GIL).
         """
         # video_latents: [F, 24, h, w]; the latent grid must match the canvas.
         expected = (self.height // self.video.decoder.spatial_ratio, self.width // self.video.decoder.spatial_ratio)
@@ -75,7 +75,11 @@ class DecodeSession:
         except InvalidLatents as exc:
             raise InvalidInput(str(exc)) from None
         with self._lock:  # one phase at a time on the shared devices and the muxer
-            audio = self._audio_worker.submit(self._decode_audio, audio_latents)
+            ready = None
+            if self.audio.decoder.stream is not None:  # the latents' copies are queued on this thread's stream
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.audio.decoder.device))
+            audio = self._audio_worker.submit(self._decode_audio, audio_latents, ready)
             t0 = time.perf_counter()
             try:
                 frames = self.video.decode_for_mux(video_latents)  # uint8 I420 planes (GPU) or RGB (CPU)
@@ -90,10 +94,12 @@ class DecodeSession:
                      video_decode_seconds=video_seconds, audio_decode_seconds=audio_seconds,
                      mux_seconds=mux_seconds)
 
-    def _decode_audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, float, EncodedTrack]:
-        """Worker thread: the samples [2, S] float32, the decode's seconds, and the phase's AAC."""
+    def _decode_audio(self, latents: torch.Tensor, ready: "torch.cuda.Event | None"
+                      ) -> tuple[torch.Tensor, float, EncodedTrack]:
+        """Worker thread: the samples [2, S] float32, the decode's seconds, and the phase's AAC. On a GPU the
+        decode runs on the audio decoder's own stream, after `ready`."""
         started = time.perf_counter()
-        with on_device(self.audio.decoder.device):
+        with on_device(self.audio.decoder.device), self.audio.decoder.own_stream(ready):
             samples = self.audio.decode(latents)
         seconds = time.perf_counter() - started
         return samples, seconds, self.mux.encode_audio(samples.numpy())

@@ -70,3 +70,24 @@ def test_audio_graph_replay_equals_the_eager_decode_bitwise_on_gpu(ckpt):
     stats = graphed.graphs.stats
     assert stats.misses == 0 and stats.replays == len(outs)
     assert all(torch.equal(a, b) for a, b in zip(outs, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_audio_decodes_on_its_own_stream_not_behind_the_default_stream_s_work(ckpt):
+    # The VAE's audio thread decodes while the video's ViT kernels fill the legacy default stream; on the decoder's
+    # own stream the samples come back (the same bits) while that work is still running.
+    decoder = AudioDecoder(load_audio_vae(ckpt, "cuda"))
+    decoder.capture_graphs(audio_graph_lengths(decoder))
+    z = torch.randn(2, 65, 32, generator=torch.Generator().manual_seed(5)).cuda()
+    ref = IncrementalAudioDecoder(decoder).decode(z)
+    ready = torch.cuda.Event()
+    ready.record()
+    a = torch.randn(8192, 8192, device="cuda")
+    for _ in range(30):  # ~0.5 s of queued default-stream work
+        a = torch.tanh(a @ a)
+    with decoder.own_stream(ready):
+        out = IncrementalAudioDecoder(decoder).decode(z)
+    assert not torch.cuda.default_stream().query(), "the audio decode waited for the default stream's work"
+    torch.cuda.synchronize()
+    assert decoder.stream != torch.cuda.default_stream() and torch.equal(out, ref)
