@@ -185,8 +185,10 @@ def vae_worker(opts, inbox, outbox) -> None:
     """The VAE stage in its own process on the last device: decode and mux every phase put in `inbox`.
 
     Messages in: ("phase", video [F, C, h, w], audio [2, A, 32], the monotonic time it was put), ("reset",) before a
-    new session, None to stop. Out: "ready" once built, then per phase a dict of stage seconds (`hand_over`: from
-    the put to the decode's start, the latents on the device) and the monotonic time its chunk was muxed.
+    new session, None to stop. Out: "ready" once built, then per phase a dict of stage seconds summed over its chunks
+    (`hand_over`: from the put to the decode's start, the latents on the device), the monotonic time its last chunk
+    was muxed, and `first_chunk`: the video decode, mux and muxed time of its first chunk (a session's first phase
+    comes as two chunks, its first clip apart).
     """
     device = torch.device(opts.devices.split(",")[-1])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -213,10 +215,12 @@ def vae_worker(opts, inbox, outbox) -> None:
             _, video, audio_latents, put = msg
             video, audio_latents = video.to(device), audio_latents.to(device)
             hand_over = time.monotonic() - put
-            chunk = session.phase(video, audio_latents)
-            outbox.put(dict(hand_over=hand_over, video_decode=chunk.video_decode_seconds,
-                            audio_decode=chunk.audio_decode_seconds, mux=chunk.mux_seconds, bytes=len(chunk.data),
-                            delivered=time.monotonic()))
+            chunks = []
+            for chunk in session.phase(video, audio_latents):
+                chunks.append(dict(video_decode=chunk.video_decode_seconds, audio_decode=chunk.audio_decode_seconds,
+                                   mux=chunk.mux_seconds, bytes=len(chunk.data), delivered=time.monotonic()))
+            totals = {k: sum(c[k] for c in chunks) for k in ("video_decode", "audio_decode", "mux", "bytes")}
+            outbox.put(dict(hand_over=hand_over, **totals, delivered=chunks[-1]["delivered"], first_chunk=chunks[0]))
         audio_worker.shutdown()
 
 
@@ -269,8 +273,9 @@ class NoVAE:
         self.results = []
 
     def submit(self, video: torch.Tensor, audio: torch.Tensor) -> None:
-        self.results.append(dict(hand_over=0.0, video_decode=0.0, audio_decode=0.0, mux=0.0, bytes=0,
-                                 delivered=time.monotonic()))
+        now = time.monotonic()
+        self.results.append(dict(hand_over=0.0, video_decode=0.0, audio_decode=0.0, mux=0.0, bytes=0, delivered=now,
+                                 first_chunk=dict(video_decode=0.0, mux=0.0, delivered=now)))
 
     def drain(self) -> list[dict]:
         return self.results
@@ -338,11 +343,9 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
             video, audio = transport(out.video, "video"), transport(out.audio, "audio")
             rec["transport"] = time.perf_counter() - t1
             vae.submit(video, audio)
-            if opts.first_chunk_alone and not records:  # the first chunk decodes with the GPUs to itself
-                vae.drain()
             records.append(rec)
             if not first_logged and vae.results:  # logged as soon as known, so a cut-off run keeps it
-                log.info("time to first chunk %.3f s", vae.results[0]["delivered"] - t_open)
+                log.info("time to first chunk %.3f s", vae.results[0]["first_chunk"]["delivered"] - t_open)
                 first_logged = True
             if p == PHASES_PER_REQUEST - 1:  # the request is complete: logged now, so a cut-off run keeps it
                 rec["memory"] = gpu_memory_in_use()
@@ -357,14 +360,15 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     for rec, result in zip(records, vae.drain()):
         rec.update(result)
     if not first_logged:  # a session too short for its first chunk to come back while it ran
-        log.info("time to first chunk %.3f s", records[0]["delivered"] - t_open)
-    return records, records[0]["delivered"] - t_open
+        log.info("time to first chunk %.3f s", records[0]["first_chunk"]["delivered"] - t_open)
+    return records, records[0]["first_chunk"]["delivered"] - t_open
 
 
 def first_chunk_parts(first: dict, ttfc: float, teacher_beside: bool) -> str:
     """Where a session's first chunk went: its record's stage seconds in order, the rest as waiting (a teacher
     replayed beside the students overlaps them inside the DiT's share)."""
-    parts = {s: first[s] for s in ("encode", "open", "dit", "transport", "hand_over", "video_decode", "mux")}
+    parts = {s: first[s] for s in ("encode", "open", "dit", "transport", "hand_over")}
+    parts.update((s, first["first_chunk"][s]) for s in ("video_decode", "mux"))  # the first clip's, on its own
     parts["waiting"] = ttfc - sum(parts.values())  # the DiT's phase call to its timer, the clock's resolution
     beside = " beside the students" if teacher_beside else ""
     inside = (f"teacher {first['teacher']:.3f}{beside}, students {first['student']:.3f}, "
@@ -393,14 +397,14 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
              f"first chunk, cold: {first_chunk_parts(records[0], ttfc, opts.teacher_overlap)}",
              f"first chunk, warm: {first_chunk_parts(warm_first, warm_ttfc, opts.teacher_overlap)}",
              "(open: the session's opening; hand_over: from the DiT's put to the VAE process's decode, latents on "
-             "its GPU; video_decode: the phase's video decode; mux: its H.264, the wait for the audio thread (decode "
-             "and AAC), the fragment; waiting: the rest)",
+             "its GPU; video_decode: the decode of the first chunk's frames (the first phase's first clip); mux: "
+             "their H.264, the wait for the audio thread (decode and AAC), the fragment; waiting: the rest)",
              "delivered = time between the last chunk of the request before and this request's last chunk; "
              "RTF = delivered / media seconds", "",
              "req |   DiT s | teacher | student | commit | transport | vdecode | adecode |  mux | delivered s | RTF "
              "| PFLOP | floor s | DiT/floor | GiB in use per GPU"]
     stages = ("dit", "teacher", "student", "commit", "transport", "video_decode", "audio_decode", "mux")
-    previous = records[0]["delivered"] - ttfc  # the session's start
+    previous = records[0]["first_chunk"]["delivered"] - ttfc  # the session's start
     for k in range(opts.requests):
         rs = [r for r in records if r["request"] == k]
         tot = {s: sum(r[s] for r in rs) for s in stages}
@@ -543,8 +547,6 @@ def main() -> None:
     parser.add_argument("--trace-request", type=int, default=-1,
                         help="profile this request's GPU kernels on the DiT's rank 0 and print how busy its GPU was "
                              "and with which kernels (attention, GEMM, NCCL, other)")
-    parser.add_argument("--first-chunk-alone", action="store_true",
-                        help="start a session's second phase only once its first chunk is delivered")
     parser.add_argument("--window", type=int, default=DiTConfig().max_phases_ahead,
                         help="phases the DiT may run ahead of delivered chunks (the services' dit.max_phases_ahead)")
     opts = parser.parse_args()

@@ -295,9 +295,10 @@ class GrpcSession(PipelineSession):
             await asyncio.shield(self._release_prompt_slots())
 
     async def chunks(self) -> AsyncIterator[MediaChunk]:
-        """Yield one MediaChunk per phase, in order, until the session ends; after cancel(), the chunks the VAE
-        still returns and then its trailer (kind="trailer")."""
-        data = bytearray()
+        """Yield the phases' MediaChunks in order (one per phase, two for the first: the VAE sends its first clip
+        apart) until the session ends; after cancel(), the chunks the VAE still returns and then its trailer
+        (kind="trailer"). A phase is acked to the DiT when its last chunk is in."""
+        data, phase_begun = bytearray(), False  # phase_begun: an earlier chunk held part of this phase
         try:
             while (reply := await self._vae_call.read()) is not grpc.aio.EOF:
                 for field in ("release_video", "release_audio"):
@@ -310,22 +311,28 @@ class GrpcSession(PipelineSession):
                     yield self._trailer(bytes(data))
                     data = bytearray()
                     continue
-                meta = self._last_meta = self._metas.popleft()
-                await self._ack(meta)
-                text_seconds = self._text_seconds.popleft() if meta.first_of_request and self._text_seconds else 0.0
-                dit_seconds = sum(meta.stage_seconds.values())
+                meta = self._metas[0]
+                first_part = not phase_begun  # a phase's event ids, text and DiT seconds ride on its first chunk
+                if not reply.phase_continues:  # the phase is delivered: the DiT may run one more ahead
+                    self._last_meta = self._metas.popleft()
+                    await self._ack(meta)
+                text_seconds = 0.0
+                if first_part and meta.first_of_request and self._text_seconds:
+                    text_seconds = self._text_seconds.popleft()
                 self._log_chunk(meta, reply, len(data))
                 yield MediaChunk(
                     data=bytes(data), request_index=meta.request_index, phase_index=meta.phase_index,
                     num_frames=reply.num_frames, num_audio_samples=reply.num_audio_samples,
                     audio_sample_rate=meta.audio_sample_rate or AUDIO_SAMPLE_RATE,
-                    started_event_ids=tuple(meta.started_event_ids),
+                    started_event_ids=tuple(meta.started_event_ids) if first_part else (),
                     active_event_ids=tuple(meta.active_event_ids),
-                    completed_event_ids=tuple(meta.completed_event_ids),
-                    timings=StageTimings(text=text_seconds, dit=dit_seconds,
+                    completed_event_ids=tuple(meta.completed_event_ids) if first_part else (),
+                    timings=StageTimings(text=text_seconds,
+                                         dit=sum(meta.stage_seconds.values()) if first_part else 0.0,
                                          vae=decode_seconds(reply),
-                                         mux=reply.mux_seconds))
-                data = bytearray()
+                                         mux=reply.mux_seconds),
+                    phase_continues=reply.phase_continues)
+                data, phase_begun = bytearray(), reply.phase_continues
         except asyncio.CancelledError:
             # Our own cancel of the VAE call (the drain timed out) surfaces here as CancelledError: end the
             # stream normally, unless this task itself is being cancelled.

@@ -129,7 +129,7 @@ class StageTimings:
 
 @dataclass(frozen=True)
 class MediaChunk:
-    """One fMP4 fragment (or the muxer's trailer) with the metadata of the phase it holds."""
+    """One fMP4 fragment (or the muxer's trailer) with the metadata of the phase it holds (all of it, or a part)."""
 
     data: bytes
     """fMP4 bytes: init segment + first fragment on the first chunk, one moof+mdat group after."""
@@ -163,6 +163,10 @@ class MediaChunk:
 
     kind: Literal["media", "trailer"] = "media"
     """`trailer` carries only the muxer's closing bytes (no frames)."""
+
+    phase_continues: bool = False
+    """More chunks of this phase follow (a session's first phase goes out as its first clip, then the rest); its
+    event ids ride on the phase's first chunk."""
 
     def __post_init__(self) -> None:
         if not self.data:

@@ -424,7 +424,7 @@ class Session:
                            self._cfg.stall_timeout_s)
             raise ClientGone("the client stopped reading") from None
         self._chunks_sent += 1
-        if chunk.kind == "media":
+        if chunk.kind == "media" and not chunk.phase_continues:  # a generation chunk is a whole phase
             self._media_chunks += 1
         self._metrics.observe_chunk(len(chunk.data), chunk.timings)
 

@@ -1,4 +1,5 @@
-"""gRPC mapping of the VAE stage: one `Decode` call is one stream; each phase_end yields one fMP4 chunk.
+"""gRPC mapping of the VAE stage: one `Decode` call is one stream; each phase_end yields its fMP4 chunks (one, or two
+for the stream's first phase: `DecodeSession.phase`).
 
 When the client closes its request stream, the muxer is closed and its closing bytes go out as a last chunk
 with `trailer` set (the AAC encoder's held-back audio); a phase whose phase_end never came is dropped.
@@ -47,7 +48,8 @@ def chunk_messages(index: int, chunk: Chunk, *, trailer: bool = False,
     messages = [vae_pb2.DecodeResponse(
         data=piece, last=i == len(pieces) - 1, chunk_index=index, num_frames=chunk.num_frames,
         num_audio_samples=chunk.num_audio_samples, video_decode_seconds=chunk.video_decode_seconds,
-        audio_decode_seconds=chunk.audio_decode_seconds, mux_seconds=chunk.mux_seconds, trailer=trailer)
+        audio_decode_seconds=chunk.audio_decode_seconds, mux_seconds=chunk.mux_seconds, trailer=trailer,
+        phase_continues=chunk.phase_continues)
         for i, piece in enumerate(pieces)]
     if release_video is not None:
         messages[0].release_video.CopyFrom(release_video)
@@ -96,12 +98,17 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                     elif kind == "phase_end":
                         if video is None or audio is None:
                             raise SequenceMismatch("phase_end before the phase's video and audio latents")
-                        chunk = await asyncio.to_thread(session.phase, video.float(), audio.float())
-                        observe(index, request.phase_end, chunk)
-                        for message in chunk_messages(index, chunk, release_video=video_release,
-                                                      release_audio=audio_release):
-                            yield message
-                        index, video, audio, video_release, audio_release = index + 1, None, None, None, None
+                        chunks = await asyncio.to_thread(session.phase, video.float(), audio.float())
+                        try:  # each chunk goes out as soon as it is muxed (a first phase has two)
+                            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                                observe(index, request.phase_end, chunk)
+                                for message in chunk_messages(index, chunk, release_video=video_release,
+                                                              release_audio=audio_release):
+                                    yield message
+                                index, video_release, audio_release = index + 1, None, None
+                        finally:  # a cancelled call leaves its phase: the shared decoders are freed for others
+                            await asyncio.to_thread(chunks.close)
+                        video, audio = None, None
                     else:
                         raise SequenceMismatch(f"unexpected {kind} after start")
                 if video is not None or audio is not None:

@@ -28,6 +28,8 @@ every phase boundary: on tiny random weights the peak boundary error drops from 
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, to_i420, to_uint8
@@ -79,37 +81,57 @@ class IncrementalVideoDecoder:
                 f"(5 latents = 17 frames), got {num_latents}")
         return self.decoder.num_frames(num_latents + self.context_latents) - self.context_frames
 
+    def part_frames(self, num_latents: int) -> list[int]:
+        """Return the frames of each part `decode_parts_for_mux` yields for the next call of `num_latents` latents,
+        or raise InvalidLatents: on a stream's first call of two or more clips, its first clip's frames and then the
+        rest (so a session's first chunk waits for one clip's decode, not the phase's); otherwise the whole call."""
+        total = self.expected_frames(num_latents)
+        if self._context is None and num_latents >= self.context_latents + 2 * self.clip_latents:
+            first = self.decoder.num_frames(self.context_latents + self.clip_latents) - self.context_frames
+            return [first, total - first]
+        return [total]
+
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode one phase `[F, 24, h, w]` to uint8 frames `[N, H, W, 3]`."""
         return to_uint8(self.decode_pixels(latents))
 
     @torch.inference_mode()
-    def decode_for_mux(self, latents: torch.Tensor) -> torch.Tensor:
-        """Decode one phase to uint8 frames in the muxer's fastest input from this device: I420 planes
-        `[N, H * 3 / 2, W]` converted on a GPU, RGB `[N, H, W, 3]` on a CPU (see `to_i420`)."""
-        pixels = self.decode_pixels(latents)
-        return to_i420(pixels) if pixels.is_cuda else to_uint8(pixels)
+    def decode_parts_for_mux(self, latents: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Decode one phase in the parts of `part_frames`, yielding each part's uint8 frames as soon as they are
+        decoded, in the muxer's fastest input from this device: I420 planes `[n, H * 3 / 2, W]` converted on a GPU,
+        RGB `[n, H, W, 3]` on a CPU (see `to_i420`). The parts' frames together are `decode`'s."""
+        for pixels in self.pixel_parts(latents, split=True):
+            yield to_i420(pixels) if pixels.is_cuda else to_uint8(pixels)
 
     @torch.inference_mode()
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode one phase `[F, 24, h, w]` to float RGB `[N, H, W, 3]` in [0, 1]."""
-        self.decoder.validate(latents)
-        num_frames = self.expected_frames(latents.shape[0])
-        latents = latents.to(self.decoder.device, torch.float32)
-        if self._context is not None:
-            if self._context.shape[1:] != latents.shape[1:]:
-                raise InvalidLatents(
-                    f"video latent grid changed mid-stream: {tuple(self._context.shape[1:])} -> "
-                    f"{tuple(latents.shape[1:])}; call reset() for a new canvas")
-            latents = torch.cat([self._context, latents])  # latents: [2 + F, 24, h, w]
-        frames = self.decoder.decode_pixels(latents)  # frames: [N(+5), H, W, 3]
-        if self._context is not None:
-            frames = frames[self.context_frames:]
-        self._context = latents[-self.context_latents:].clone()
-        if frames.shape[0] != num_frames:  # a geometry mismatch would silently shift the timeline
-            raise RuntimeError(f"video decode returned {frames.shape[0]} frames, expected {num_frames}")
+        (frames,) = self.pixel_parts(latents, split=False)
         return frames
+
+    def pixel_parts(self, latents: torch.Tensor, split: bool) -> Iterator[torch.Tensor]:
+        """Decode one phase `[F, 24, h, w]` to float RGB `[n, H, W, 3]` in [0, 1] in the parts of `part_frames` (one
+        part unless `split`), yielding each part once decoded."""
+        self.decoder.validate(latents)
+        sizes = self.part_frames(latents.shape[0]) if split else [self.expected_frames(latents.shape[0])]
+        latents = latents.to(self.decoder.device, torch.float32)
+        context = self._context
+        if context is not None:
+            if context.shape[1:] != latents.shape[1:]:
+                raise InvalidLatents(
+                    f"video latent grid changed mid-stream: {tuple(context.shape[1:])} -> "
+                    f"{tuple(latents.shape[1:])}; call reset() for a new canvas")
+            latents = torch.cat([context, latents])  # latents: [2 + F, 24, h, w]
+        first_clips = [1] if len(sizes) > 1 else []
+        for i, frames in enumerate(self.decoder.decode_pixel_parts(latents, first_clips)):  # [n(+5), H, W, 3]
+            if i == 0 and context is not None:
+                frames = frames[self.context_frames:]
+            if frames.shape[0] != sizes[i]:  # a geometry mismatch would silently shift the timeline
+                raise RuntimeError(f"video decode returned {frames.shape[0]} frames, expected {sizes[i]}")
+            if i == len(sizes) - 1:
+                self._context = latents[-self.context_latents:].clone()
+            yield frames
 
 
 WARMUP_PHASE_LATENTS = (12, 10, 5)
@@ -121,8 +143,9 @@ def warm_up_video(decoder: VideoDecoder, width: int, height: int) -> None:
     or tunes per shape happens now and not while serving."""
     stream = IncrementalVideoDecoder(decoder)
     grid = (decoder.vae.config.latent_channels, height // decoder.spatial_ratio, width // decoder.spatial_ratio)
-    for num in WARMUP_PHASE_LATENTS:
-        stream.decode_pixels(torch.zeros(num, *grid))  # [num, 24, h, w]
+    for num in WARMUP_PHASE_LATENTS:  # in the parts a session decodes them in
+        for _ in stream.decode_parts_for_mux(torch.zeros(num, *grid)):  # [num, 24, h, w]
+            pass
 
 
 AUDIO_PHASE_LATENTS = (65, 56, 57, 28, 29)

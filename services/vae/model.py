@@ -19,6 +19,7 @@ so the decode's GPU time is spread over the GPUs the DiT ranks share with it.
 """
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import ContextManager, Iterator, Sequence
@@ -190,33 +191,51 @@ class VideoDecoder:
         xs, widths, x_overlaps = vae._split_tiles(width, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width)
         return ys, heights[0], y_overlaps, xs, widths[0], x_overlaps
 
-    def _decode_clips(self, z: torch.Tensor) -> torch.Tensor:
-        """Decode denormalised latents `z: [C, F, h, w]` (F = 2 + 5k) to model-space video `[3, N, H, W]`."""
+    def _clip_videos(self, z: torch.Tensor, clips: range) -> torch.Tensor:
+        """Decode clips `clips` of denormalised latents `z: [C, F, h, w]` (F = 2 + 5k) to model-space video
+        `[len(clips), 3, 28, H, W]`, every tile of those clips in one batch."""
         vae, ratio = self.vae, self.spatial_ratio
         clip, overlap = vae.tokens_chunk_size, vae.token_overlap
-        num_clips = (z.shape[1] - overlap) // clip
-        # clips: [K, C, 7, h, w], clip k covers latents [5k, 5k + 7) like diffusers' `_decode`.
-        clips = torch.stack([z[:, k * clip:k * clip + clip + overlap] for k in range(num_clips)])
+        # stacked: [K, C, 7, h, w], clip k covers latents [5k, 5k + 7) like diffusers' `_decode`.
+        stacked = torch.stack([z[:, k * clip:k * clip + clip + overlap] for k in clips])
         ys, tile_h, y_overlaps, xs, tile_w, x_overlaps = self.tile_grid(z.shape[2] * ratio, z.shape[3] * ratio)
         th, tw = tile_h // ratio, tile_w // ratio
         # tiles: [K * T, C, 7, th, tw], clip-major; tile (i, j) is row-major over the (ys, xs) grid.
-        tiles = torch.stack([clips[..., y // ratio:y // ratio + th, x // ratio:x // ratio + tw]
+        tiles = torch.stack([stacked[..., y // ratio:y // ratio + th, x // ratio:x // ratio + tw]
                              for y in ys for x in xs], dim=1).flatten(0, 1)
         decoded = self._decode_tiles(tiles)
-        decoded = decoded.unflatten(0, (num_clips, len(ys) * len(xs)))  # [K, T, 3, 28, tile_h, tile_w]
+        decoded = decoded.unflatten(0, (len(clips), len(ys) * len(xs)))  # [K, T, 3, 28, tile_h, tile_w]
         rows = [[decoded[:, i * len(xs) + j] for j in range(len(xs))] for i in range(len(ys))]
-        video = vae._stitch_tiles(rows, y_overlaps, x_overlaps)  # video: [K, 3, 28, H, W]
+        return vae._stitch_tiles(rows, y_overlaps, x_overlaps)  # [K, 3, 28, H, W]
+
+    def _decode_clip_parts(self, z: torch.Tensor, parts: Sequence[range]) -> Iterator[torch.Tensor]:
+        """Decode denormalised latents `z: [C, F, h, w]` (F = 2 + 5k) part by part, each part a run of consecutive
+        clips decoded in one batch; yield each part's model-space frames `[3, n, H, W]` as soon as they are final.
+        The parts' frames together are the whole decode's."""
+        vae = self.vae
         # Each clip's first 5 latents give 17 frames (after the 3 pre-padding frames), its 2 overlap latents give the
-        # 5 frames that are cross-faded into the next clip's head; the last clip's overlap frames end the video.
-        chunk, pre = clip * self.temporal_ratio, vae.frame_pre_padding
-        heads = video[:, :, pre:chunk]
-        if vae.config.token_drop <= 0:  # no overlap latents: the clips simply follow each other
-            return heads.transpose(0, 1).flatten(1, 2)
-        tails = video[:, :, chunk + pre:]
-        pieces = [heads[0]]  # [3, 17, H, W] each, then the last clip's [3, 5, H, W] overlap frames
-        if num_clips > 1:
-            pieces += vae._blend(tails[:-1], heads[1:], vae.frame_overlap, dim=-3).unbind(0)
-        return torch.cat([*pieces, tails[-1]], dim=1)
+        # 5 frames that are cross-faded into the next clip's head; the last clip's overlap frames end the video. So
+        # a part's frames are final once its clips are decoded, except its last clip's overlap frames, which go
+        # into the next part's first head.
+        chunk, pre = vae.tokens_chunk_size * self.temporal_ratio, vae.frame_pre_padding
+        carried = None  # [3, 5, H, W]: the overlap frames of the previous part's last clip
+        for i, clips in enumerate(parts):
+            video = self._clip_videos(z, clips)
+            heads = video[:, :, pre:chunk]  # [k, 3, 17, H, W]
+            if vae.config.token_drop <= 0:  # no overlap latents: the clips simply follow each other
+                yield heads.transpose(0, 1).flatten(1, 2)
+                continue
+            tails = video[:, :, chunk + pre:]  # [k, 3, 5, H, W]
+            # each head after the stream's first is cross-faded with the overlap frames of the clip before it
+            before = tails[:-1] if carried is None else torch.cat([carried[None], tails[:-1]])
+            pieces = [heads[0]] if carried is None else []
+            if before.shape[0]:
+                pieces += vae._blend(before, heads[-before.shape[0]:], vae.frame_overlap, dim=-3).unbind(0)
+            if i == len(parts) - 1:
+                pieces.append(tails[-1])
+            else:
+                carried = tails[-1]
+            yield torch.cat(pieces, dim=1)
 
     def _decode_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
         """`post_quant_conv` + ViT of every tile; with replicas, contiguous shares decoded on their devices at once."""
@@ -238,13 +257,26 @@ class VideoDecoder:
     @torch.inference_mode()
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode normalised latents `[F, 24, h, w]` to float RGB `[N, H, W, 3]` in [0, 1]."""
+        (rgb,) = self.decode_pixel_parts(latents, [])
+        return rgb
+
+    @torch.inference_mode()
+    def decode_pixel_parts(self, latents: torch.Tensor, first_clips: Sequence[int]) -> Iterator[torch.Tensor]:
+        """Decode normalised latents `[F, 24, h, w]` in parts: first parts of `first_clips` clips each, then the
+        remaining clips; yield each part's float RGB frames `[n, H, W, 3]` in [0, 1] once decoded."""
         self.validate(latents)
         self.num_frames(latents.shape[0])
+        num_clips = (latents.shape[0] - self.vae.token_overlap) // self.vae.tokens_chunk_size
+        bounds = [0, *itertools.accumulate(first_clips)]
+        if any(n < 1 for n in first_clips) or bounds[-1] >= num_clips:
+            raise InvalidLatents(f"parts of {list(first_clips)} clips leave none of the {num_clips} clips of "
+                                 f"{latents.shape[0]} latents for the last part")
+        parts = [range(a, b) for a, b in zip(bounds, bounds[1:])] + [range(bounds[-1], num_clips)]
         # z: [1, C, F, h, w], denormalised per channel, in the dtype of the first decoder module (like diffusers).
         z = latents.to(self.device, torch.float32).permute(1, 0, 2, 3)[None] * self._std + self._mean
-        sample = self._decode_clips(z[0].to(get_parameter_dtype(self.vae.post_quant_conv)))  # [3, N, H, W]
-        rgb = sample.permute(1, 2, 3, 0).float()  # rgb: [N, H, W, 3]
-        return (rgb * self._rgb_std + self._rgb_mean).clamp_(0.0, 1.0)
+        for sample in self._decode_clip_parts(z[0].to(get_parameter_dtype(self.vae.post_quant_conv)), parts):
+            rgb = sample.permute(1, 2, 3, 0).float()  # sample: [3, n, H, W] -> rgb: [n, H, W, 3]
+            yield (rgb * self._rgb_std + self._rgb_mean).clamp_(0.0, 1.0)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode normalised latents `[F, 24, h, w]` to uint8 frames `[N, H, W, 3]` on the CPU."""

@@ -5,12 +5,14 @@ incremental decoders (temporal context) and its own muxer (one H.264 + AAC timel
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import pathlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -37,6 +39,8 @@ class Chunk:
     video_decode_seconds: float
     audio_decode_seconds: float
     mux_seconds: float
+    phase_continues: bool = False
+    """More chunks of the same phase follow: a stream's first phase goes out as its first clip, then the rest."""
 
 
 class DecodeSession:
@@ -56,9 +60,13 @@ class DecodeSession:
         self._lock = lock
         self._audio_worker = audio_worker
 
-    def phase(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> Chunk:
-        """Decode one phase ([F, 24, h, w] video, [2, A, 32] audio latents) and mux it.
+    def phase(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> Iterator[Chunk]:
+        """Decode one phase ([F, 24, h, w] video, [2, A, 32] audio latents) and mux it; yield its chunks as each is
+        ready: one fMP4 fragment, or two for a stream's first phase of two or more clips (its first clip, then the
+        rest; `IncrementalVideoDecoder.part_frames`), so a session's first chunk waits for one clip's decode.
 
+        The latents are checked before the first chunk (InvalidInput); a caller that stops early must `close()` the
+        generator, which lets the audio thread finish and frees the shared decoders for other sessions.
         The audio decodes and then AAC-encodes in the worker thread while the video decodes and H.264-encodes here:
         the audio decoder's kernels run on a stream of their own beside the video's ViT, and the two encoders run
         side by side on the host (FFmpeg runs without the GIL).
@@ -70,39 +78,49 @@ class DecodeSession:
                                f"{self.width}x{self.height} canvas (expected {expected})")
         try:  # both checked before either decoder advances its carried context
             self.video.decoder.validate(video_latents)
-            self.video.expected_frames(video_latents.shape[0])
+            parts = self.video.part_frames(video_latents.shape[0])
             self.audio.decoder.validate(audio_latents)
         except InvalidLatents as exc:
             raise InvalidInput(str(exc)) from None
+        return self._chunks(video_latents, audio_latents, parts)
+
+    def _chunks(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, parts: list[int]
+                ) -> Iterator[Chunk]:
         with self._lock:  # one phase at a time on the shared devices and the muxer
             ready = None
             if self.audio.decoder.stream is not None:  # the latents' copies are queued on this thread's stream
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.audio.decoder.device))
-            audio = self._audio_worker.submit(self._decode_audio, audio_latents, ready)
-            t0 = time.perf_counter()
+            audio = self._audio_worker.submit(self._decode_audio, audio_latents, ready, parts)
             try:
-                frames = self.video.decode_for_mux(video_latents)  # uint8 I420 planes (GPU) or RGB (CPU)
-                video_seconds = time.perf_counter() - t0
-                encoded = self.mux.encode_video(frames.numpy())
+                t0 = time.perf_counter()
+                for i, frames in enumerate(self.video.decode_parts_for_mux(video_latents)):
+                    video_seconds = time.perf_counter() - t0  # uint8 I420 planes (GPU) or RGB (CPU)
+                    encoded = self.mux.encode_video(frames.numpy())
+                    audio_seconds, tracks = audio.result()
+                    samples, track = tracks[i]
+                    data = self.mux.emit(encoded, track)
+                    yield Chunk(data=data, num_frames=frames.shape[0], num_audio_samples=samples,
+                                video_decode_seconds=video_seconds,
+                                audio_decode_seconds=audio_seconds if i == 0 else 0.0,
+                                mux_seconds=time.perf_counter() - t0 - video_seconds,
+                                phase_continues=i < len(parts) - 1)
+                    t0 = time.perf_counter()
             finally:
                 wait([audio])  # the audio never outlives the lock
-            samples, audio_seconds, encoded_audio = audio.result()
-            data = self.mux.emit(encoded, encoded_audio)
-            mux_seconds = time.perf_counter() - t0 - video_seconds
-        return Chunk(data=data, num_frames=frames.shape[0], num_audio_samples=samples.shape[1],
-                     video_decode_seconds=video_seconds, audio_decode_seconds=audio_seconds,
-                     mux_seconds=mux_seconds)
 
-    def _decode_audio(self, latents: torch.Tensor, ready: "torch.cuda.Event | None"
-                      ) -> tuple[torch.Tensor, float, EncodedTrack]:
-        """Worker thread: the samples [2, S] float32, the decode's seconds, and the phase's AAC. On a GPU the
-        decode runs on the audio decoder's own stream, after `ready`."""
+    def _decode_audio(self, latents: torch.Tensor, ready: "torch.cuda.Event | None", parts: list[int]
+                      ) -> tuple[float, list[tuple[int, EncodedTrack]]]:
+        """Worker thread: the decode's seconds and, for each part of the phase (cut at the parts' video frame
+        boundaries), its samples per channel and their AAC. On a GPU the decode runs on the audio decoder's own
+        stream, after `ready`."""
         started = time.perf_counter()
         with on_device(self.audio.decoder.device), self.audio.decoder.own_stream(ready):
-            samples = self.audio.decode(latents)
+            samples = self.audio.decode(latents).numpy()  # [2, S]
         seconds = time.perf_counter() - started
-        return samples, seconds, self.mux.encode_audio(samples.numpy())
+        cuts = [f * self.mux.sample_rate // self.mux.fps for f in itertools.accumulate(parts[:-1])]
+        bounds = [0, *cuts, samples.shape[1]]
+        return seconds, [(b - a, self.mux.encode_audio(samples[:, a:b])) for a, b in zip(bounds, bounds[1:])]
 
     def close(self) -> Chunk:
         """Close the muxer: its last fragment holds the audio the AAC encoder still held (b'' when none)."""
@@ -151,8 +169,9 @@ class VAEService(Stage):
                      time.perf_counter() - started)
         ratio = self.video.spatial_ratio
         session = self.open(4 * ratio, 4 * ratio, VIDEO_FPS, AUDIO_SAMPLE_RATE)
-        session.phase(torch.zeros(12, self.video.vae.config.latent_channels, 4, 4),
-                      torch.zeros(2, 65, self.audio.vae.config.latent_channels))
+        for _ in session.phase(torch.zeros(12, self.video.vae.config.latent_channels, 4, 4),
+                               torch.zeros(2, 65, self.audio.vae.config.latent_channels)):
+            pass
 
     def open(self, width: int, height: int, fps: int, sample_rate: int) -> DecodeSession:
         """Start one stream's decoders and muxer."""

@@ -9,6 +9,7 @@ parts, with the tensors kept in a dict instead of device memory, read back by a 
 import asyncio
 import time
 import types
+from typing import Iterator
 
 import grpc
 import torch
@@ -154,9 +155,9 @@ class FakeVAE:
         self.phases: list[tuple[float, float]] = []
 
     def open(self, width, height, fps, sample_rate):
-        def phase(video, audio) -> Chunk:
+        def phase(video, audio) -> Iterator[Chunk]:
             self.phases.append((float(video[0, 0, 0, 0]), float(audio[0, 0, 0])))
-            return Chunk(data=b"phase-%d" % int(video[0, 0, 0, 0]), num_frames=4, num_audio_samples=640,
+            yield Chunk(data=b"phase-%d" % int(video[0, 0, 0, 0]), num_frames=4, num_audio_samples=640,
                          video_decode_seconds=0.003, audio_decode_seconds=0.002, mux_seconds=0.001)
 
         def close() -> Chunk:

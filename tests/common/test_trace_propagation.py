@@ -80,7 +80,7 @@ class FakeVAE:
     def open(self, width, height, fps, sample_rate):
         chunk = Chunk(data=b"\0" * 100, num_frames=4, num_audio_samples=640, video_decode_seconds=0.001,
                       audio_decode_seconds=0.001, mux_seconds=0.001)
-        return types.SimpleNamespace(phase=lambda video, audio: chunk)
+        return types.SimpleNamespace(phase=lambda video, audio: (c for c in [chunk]))
 
 
 async def run_session(num_chunks: int) -> list:

@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 import types
+from typing import Iterator
 
 import grpc
 import pytest
@@ -52,6 +53,7 @@ class FakeDiTSession:
         self.started = 0
         self.acks_sent = acks_sent  # filled by a raw-gRPC test client before each ack write
         self.ahead_at_start: list[int] = []  # phases started minus acks sent, when each phase started
+        self.started_at: list[float] = []  # monotonic time each phase started
         self.cancel_token = types.SimpleNamespace(cancelled=False)
         self._lock = threading.Lock()
         self._pending: list[str] = []
@@ -59,6 +61,7 @@ class FakeDiTSession:
 
     def next_phase(self) -> PhaseOutput:
         i = self.started
+        self.started_at.append(time.monotonic())
         self.ahead_at_start.append(i - len(self.acks_sent))
         self.started += 1
         time.sleep(0.005)
@@ -100,13 +103,21 @@ class FakeEncoder:
 
 
 class FakeDecodeSession:
-    def __init__(self, close_delay_s: float) -> None:
+    def __init__(self, close_delay_s: float, split_first: bool) -> None:
         self.closed = False
         self.close_delay_s = close_delay_s
+        self.split_first = split_first  # the first phase as two chunks, 0.2 s apart, as the real VAE sends it
+        self.last_of_first_at = 0.0  # when the first phase's last chunk was made (monotonic)
 
-    def phase(self, video, audio) -> Chunk:
+    def phase(self, video, audio) -> Iterator[Chunk]:
         time.sleep(0.005)
-        return Chunk(data=b"phase-%d" % int(video[0, 0, 0, 0]), num_frames=4, num_audio_samples=640,
+        first = int(video[0, 0, 0, 0]) == 0
+        if first and self.split_first:
+            yield Chunk(data=b"phase-0-clip-0", num_frames=2, num_audio_samples=320, video_decode_seconds=0.001,
+                        audio_decode_seconds=0.001, mux_seconds=0.001, phase_continues=True)
+            time.sleep(0.2)
+            self.last_of_first_at = time.monotonic()
+        yield Chunk(data=b"phase-%d" % int(video[0, 0, 0, 0]), num_frames=4, num_audio_samples=640,
                      video_decode_seconds=0.001, audio_decode_seconds=0.001, mux_seconds=0.001)
 
     def close(self) -> Chunk:
@@ -120,9 +131,10 @@ class FakeVAE:
     def __init__(self) -> None:
         self.sessions: list[FakeDecodeSession] = []
         self.close_delay_s = 0.0
+        self.split_first = False
 
     def open(self, width, height, fps, sample_rate) -> FakeDecodeSession:
-        self.sessions.append(FakeDecodeSession(self.close_delay_s))
+        self.sessions.append(FakeDecodeSession(self.close_delay_s, self.split_first))
         return self.sessions[-1]
 
 
@@ -287,6 +299,21 @@ async def test_update_sent_after_chunk_4_is_applied_at_chunk_8():
     assert all("late-update" in c.active_event_ids for c in media[8:])
     assert not any("late-update" in c.active_event_ids for c in media[:8])
     assert all(not c.started_event_ids and not c.completed_event_ids for c in media[:8])  # no "" ids
+
+
+async def test_a_phase_in_two_chunks_is_acked_once_its_last_chunk_is_in():
+    async with Stages(1) as stages:
+        stages.vae.split_first = True
+        chunks = await asyncio.wait_for(
+            _run_pipeline_session(stages, stop_after=4, update_after=None, consumer_delay_s=0.0), 30)
+        dit_session, vae_session = stages.dit.sessions[0], stages.vae.sessions[0]
+    media = [c for c in chunks if c.kind == "media"]
+    assert [(c.request_index, c.phase_index, c.phase_continues) for c in media[:3]] == [
+        (0, 0, True), (0, 0, False), (0, 1, False)]
+    assert [c.data for c in media[:3]] == [b"phase-0-clip-0", b"phase-0", b"phase-1"]
+    assert media[1].timings.dit == 0.0 < media[0].timings.dit  # the phase's DiT seconds ride on its first chunk
+    # with a window of one phase, phase 1 starts only on phase 0's ack: after its second chunk, not its first
+    assert dit_session.started_at[1] > vae_session.last_of_first_at
 
 
 async def test_cancel_delivers_the_phases_in_flight_then_the_trailer():

@@ -51,23 +51,51 @@ def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker)
     mux = FragmentedMP4Muxer(WIDTH, HEIGHT, fps=VIDEO_FPS, sample_rate=AUDIO_SAMPLE_RATE,
                              codec_options={"preset": "ultrafast"})
     phases = latents(1)
-    want = [mux.encode(vdec.decode(v).numpy(), adec.decode(a).numpy()) for v, a in phases] + [mux.close()]
+    (v0, a0), rest = phases[0], phases[1:]
+    # the stream's first phase goes out as its first clip (17 frames, the audio up to their end), then the rest
+    head, tail = vdec.decode_parts_for_mux(v0)
+    samples, cut = adec.decode(a0).numpy(), 17 * AUDIO_SAMPLE_RATE // VIDEO_FPS
+    want = [mux.encode(head.numpy(), samples[:, :cut]), mux.encode(tail.numpy(), samples[:, cut:])]
+    want += [mux.encode(vdec.decode(v).numpy(), adec.decode(a).numpy()) for v, a in rest] + [mux.close()]
     stream = session(decoders, worker)
-    got = [stream.phase(v, a).data for v, a in phases] + [stream.close().data]
-    assert got == want
+    chunks = [c for v, a in phases for c in stream.phase(v, a)]
+    assert [c.data for c in chunks] + [stream.close().data] == want
+    assert [(c.num_frames, c.num_audio_samples, c.phase_continues) for c in chunks] == [
+        (17, cut, True), (22, 65 * 800 - cut, False), (34, 57 * 800, False), (17, 29 * 800, False)]
+
+
+def test_the_first_chunk_goes_out_before_the_rest_of_the_first_phase_is_decoded(decoders, worker, monkeypatch):
+    stream = session(decoders, worker)
+    decoded = []
+    real = stream.video.decoder.decode_pixel_parts
+
+    def parts(latents, first_clips):
+        for frames in real(latents, first_clips):
+            decoded.append(frames.shape[0])
+            yield frames
+    monkeypatch.setattr(stream.video.decoder, "decode_pixel_parts", parts)
+    chunks = stream.phase(*latents(2)[0])
+    first = next(chunks)
+    assert decoded == [17] and first.phase_continues and first.data.startswith(b"\x00\x00\x00")
+    assert [c.num_frames for c in chunks] == [22] and decoded == [17, 22]
 
 
 def test_audio_decodes_in_the_worker_while_the_video_decodes(decoders, worker, monkeypatch):
     stream = session(decoders, worker)
     seen = {}
-    for name, obj, method in (("video", stream.video, "decode_for_mux"), ("audio", stream.audio, "decode")):
-        def spy(x, real=getattr(obj, method), name=name):
-            started = time.perf_counter()
-            out = real(x)
-            seen[name] = (threading.current_thread().name, started, time.perf_counter())
-            return out
-        monkeypatch.setattr(obj, method, spy)
-    chunk = stream.phase(*latents(2)[0])
+    def video_spy(x, real=stream.video.decode_parts_for_mux):
+        started = time.perf_counter()
+        yield from real(x)
+        seen["video"] = (threading.current_thread().name, started, time.perf_counter())
+
+    def audio_spy(x, real=stream.audio.decode):
+        started = time.perf_counter()
+        out = real(x)
+        seen["audio"] = (threading.current_thread().name, started, time.perf_counter())
+        return out
+    monkeypatch.setattr(stream.video, "decode_parts_for_mux", video_spy)
+    monkeypatch.setattr(stream.audio, "decode", audio_spy)
+    chunk = list(stream.phase(*latents(2)[0]))[0]
     assert seen["video"][0] == threading.current_thread().name
     assert seen["audio"][0].startswith("vae-audio")
     assert seen["audio"][1] < seen["video"][2]  # the audio started before the video was done
@@ -81,10 +109,20 @@ def test_audio_decodes_in_the_worker_while_the_video_decodes(decoders, worker, m
 def test_a_bad_phase_is_named_and_advances_neither_decoder(decoders, worker, bad, message):
     phases = latents(3)
     reference = session(decoders, worker)
-    want = [reference.phase(v, a).data for v, a in phases]
+    want = [[c.data for c in reference.phase(v, a)] for v, a in phases]
     stream = session(decoders, worker)
-    stream.phase(*phases[0])
+    list(stream.phase(*phases[0]))
     v, a = phases[1]
     with pytest.raises(InvalidInput, match=message):
         stream.phase(v[:7] if bad == "video" else v, a[:1] if bad == "audio" else a)
-    assert [stream.phase(v, a).data for v, a in phases[1:]] == want[1:]
+    assert [[c.data for c in stream.phase(v, a)] for v, a in phases[1:]] == want[1:]
+
+
+def test_a_phase_left_after_its_first_chunk_frees_the_shared_decoders(decoders, worker):
+    video, audio = decoders
+    lock = threading.Lock()
+    stream = DecodeSession(video, audio, WIDTH, HEIGHT, VIDEO_FPS, AUDIO_SAMPLE_RATE, "ultrafast", lock, worker)
+    chunks = stream.phase(*latents(4)[0])
+    assert next(chunks).phase_continues and lock.locked()
+    chunks.close()  # a cancelled stream: the rest of the phase is never asked for
+    assert not lock.locked()

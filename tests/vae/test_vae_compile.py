@@ -27,12 +27,14 @@ def test_compile_blocks_is_validated():
 def test_warm_up_decodes_every_phase_size_of_a_stream(tmp_path):
     decoder = VideoDecoder(load_video_vae(write_random_checkpoint("tiny", tmp_path, seed=3)))
     seen = []
-    real = decoder.decode_pixels
-    decoder.decode_pixels = lambda latents: seen.append(tuple(latents.shape)) or real(latents)
+    real = decoder.decode_pixel_parts
+    decoder.decode_pixel_parts = lambda latents, first: seen.append((tuple(latents.shape), first)) or real(latents,
+                                                                                                       first)
     warm_up_video(decoder, width=96, height=64)
-    # the first call as it comes, later ones behind the 2 carried latents, on the canvas's latent grid
+    # the first call as it comes (in two parts, as a session's first phase is decoded), later ones behind the 2
+    # carried latents, on the canvas's latent grid
     assert WARMUP_PHASE_LATENTS == (12, 10, 5)
-    assert seen == [(12, 24, 4, 6), (12, 24, 4, 6), (7, 24, 4, 6)]
+    assert seen == [((12, 24, 4, 6), [1]), ((12, 24, 4, 6), []), ((7, 24, 4, 6), [])]
 
 
 @pytest.mark.gpu
@@ -52,7 +54,9 @@ def test_compiled_blocks_match_eager_and_compile_nothing_after_warm_up(tmp_path)
     z = torch.randn(sum(PHASES), 24, height // 16, width // 16, generator=torch.Generator().manual_seed(0))
     start = 0
     for n in PHASES:
-        want, got = eager.decode_pixels(z[start:start + n]), compiled.decode_pixels(z[start:start + n])
+        # the parts a session decodes: the first phase's first clip apart
+        want, got = eager.decode_pixels(z[start:start + n]), torch.cat([*compiled.pixel_parts(z[start:start + n],
+                                                                                              split=True)])
         start += n
         assert got.shape == want.shape
         assert (got - want).abs().max().item() < 3e-2  # BF16 rounding of fused ops, RGB in [0, 1]

@@ -95,7 +95,23 @@ def test_video_uint8_and_reset(video):
 def test_video_for_the_muxer_is_rgb_on_the_cpu(video):
     # on a GPU it is I420 planes converted there (tests/vae/test_vae_compile.py)
     z = torch.randn(7, 24, 4, 6, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(IncrementalVideoDecoder(video).decode_for_mux(z), IncrementalVideoDecoder(video).decode(z))
+    (frames,) = IncrementalVideoDecoder(video).decode_parts_for_mux(z)
+    assert torch.equal(frames, IncrementalVideoDecoder(video).decode(z))
+
+
+def test_a_stream_s_first_phase_comes_in_two_parts_that_make_the_whole_decode(video):
+    # 12 latents = 2 clips: the first clip's 17 frames are final once it is decoded (only the next clip's head is
+    # cross-faded with its overlap frames); later phases come whole
+    z = torch.randn(22, 24, 4, 6, generator=torch.Generator().manual_seed(1))
+    whole, parted = IncrementalVideoDecoder(video), IncrementalVideoDecoder(video)
+    assert parted.part_frames(12) == [17, 22]
+    head, tail = parted.pixel_parts(z[:12], split=True)
+    # the parts batch one clip per ViT call instead of two: equal within float reassociation
+    torch.testing.assert_close(torch.cat([head, tail]), whole.decode_pixels(z[:12]), rtol=0, atol=1e-6)
+    assert parted.part_frames(10) == [34] and whole.part_frames(5) == [17]
+    (later,) = parted.pixel_parts(z[12:], split=True)
+    torch.testing.assert_close(later, whole.decode_pixels(z[12:]), rtol=0, atol=1e-6)
+    assert IncrementalVideoDecoder(video).part_frames(7) == [22]  # one clip: nothing to split
 
 
 def test_video_phase_length_and_grid_errors(video):

@@ -45,7 +45,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., video: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., audio: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., phase_end: _Optional[_Union[PhaseEnd, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("data", "last", "chunk_index", "num_frames", "num_audio_samples", "video_decode_seconds", "audio_decode_seconds", "mux_seconds", "release_video", "release_audio", "trailer")
+    __slots__ = ("data", "last", "chunk_index", "num_frames", "num_audio_samples", "video_decode_seconds", "audio_decode_seconds", "mux_seconds", "release_video", "release_audio", "trailer", "phase_continues")
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class DecodeResponse(_message.Message):
     RELEASE_VIDEO_FIELD_NUMBER: _ClassVar[int]
     RELEASE_AUDIO_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    PHASE_CONTINUES_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     last: bool
     chunk_index: int
@@ -68,4 +69,5 @@ class DecodeResponse(_message.Message):
     release_video: _tensor_pb2.Release
     release_audio: _tensor_pb2.Release
     trailer: bool
-    def __init__(self, data: _Optional[bytes] = ..., last: _Optional[bool] = ..., chunk_index: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_audio_samples: _Optional[int] = ..., video_decode_seconds: _Optional[float] = ..., audio_decode_seconds: _Optional[float] = ..., mux_seconds: _Optional[float] = ..., release_video: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., release_audio: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., trailer: _Optional[bool] = ...) -> None: ...
+    phase_continues: bool
+    def __init__(self, data: _Optional[bytes] = ..., last: _Optional[bool] = ..., chunk_index: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_audio_samples: _Optional[int] = ..., video_decode_seconds: _Optional[float] = ..., audio_decode_seconds: _Optional[float] = ..., mux_seconds: _Optional[float] = ..., release_video: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., release_audio: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., trailer: _Optional[bool] = ..., phase_continues: _Optional[bool] = ...) -> None: ...
