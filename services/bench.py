@@ -311,6 +311,7 @@ def run_session(opts, device, encoder, runtime, vae: VAEStage | NoVAE, flops: Fl
     records, t_open = [], time.monotonic()
     vae.new_session()
     first = encoder.encode_bytes(prompt_text(0, opts.prompt_tokens))
+    sync(device)  # the encoder's kernels, not only their launch
     encode_s = time.monotonic() - t_open
     session = runtime.open_session(SessionConfig(seed=8301, width=opts.width, height=opts.height),
                                    PromptUpdate(first.float(), "p0"))
