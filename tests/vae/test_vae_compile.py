@@ -70,7 +70,7 @@ def test_video_for_the_muxer_is_i420_converted_on_the_gpu(tmp_path):
 
     gpu = VideoDecoder(load_video_vae(write_random_checkpoint("tiny", tmp_path, seed=11), "cuda"))
     z = torch.randn(7, 24, 4, 6, generator=torch.Generator().manual_seed(1))
-    planes = IncrementalVideoDecoder(gpu).decode_for_mux(z)
+    (planes,) = IncrementalVideoDecoder(gpu).decode_parts_for_mux(z)
     assert planes.dtype == torch.uint8 and planes.device.type == "cpu" and planes.shape == (22, 96, 96)
     pixels = IncrementalVideoDecoder(gpu).decode_pixels(z).cpu()
     assert (planes.int() - to_i420(pixels).int()).abs().max() <= 1  # the same conversion, on either device
