@@ -166,9 +166,6 @@ def build(opts):
         else DiTGroup.start(profile, build_runtime)
     encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,
                                  max_tokens=opts.max_tokens)
-    if opts.encoder_fp8:
-        log.info("text encoder linears in FP8: hidden states within %.4f (relative) of the unquantised stack on a "
-                 "%d-token probe prompt", encoder.quantize_fp8(opts.max_tokens), opts.max_tokens)
     if opts.cuda_graphs:
         encoder.capture_graphs(PromptBuckets(profile.dit.prompt_buckets))
     sync(torch.device(devices[0]))
@@ -384,7 +381,7 @@ def first_chunk_parts(first: dict, ttfc: float, teacher_beside: bool) -> str:
 
 def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: dict) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
-             f"encoder_fp8={opts.encoder_fp8}, adaln_cache={opts.adaln_cache}, merge_lora={opts.merge_lora}, cuda_graphs={opts.cuda_graphs}, "
+             f"adaln_cache={opts.adaln_cache}, merge_lora={opts.merge_lora}, cuda_graphs={opts.cuda_graphs}, "
              f"teacher_sharded={opts.teacher_sharded}, teacher_overlap={opts.teacher_overlap}, "
              f"teacher_staged={opts.teacher_staged}, "
              f"reuse_text_kv={opts.reuse_text_kv}, "
@@ -477,7 +474,7 @@ def baseline(opts, device, model: DiT) -> dict:
     return {"rows": real, "ours_s": ours, "diffusers_s": theirs}
 
 
-PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "encoder_fp8", "fp8", "adaln_cache", "cuda_graphs",
+PROFILE_OPTIONS = ("preset", "devices", "width", "height", "max_tokens", "fp8", "adaln_cache", "cuda_graphs",
                    "prompt_buckets", "attention", "merge_lora", "teacher_sharded", "teacher_overlap", "teacher_staged",
                    "reuse_text_kv",
                    "tile_overlap", "vae_tile_devices", "vae_compile", "vae_graphs", "window")
@@ -493,8 +490,7 @@ def profile_options(profile: Profile) -> dict:
                          f"{profile.encoder.device} and {vae.device}")
     width, height = profile.gateway.get("default_canvas", GatewayConfig.default_canvas)
     return dict(preset=profile.model.preset, devices=",".join(dit.devices), width=width, height=height,
-                max_tokens=profile.encoder.max_tokens, encoder_fp8=profile.encoder.fp8, fp8=dit.fp8,
-                adaln_cache=dit.adaln_cache,
+                max_tokens=profile.encoder.max_tokens, fp8=dit.fp8, adaln_cache=dit.adaln_cache,
                 cuda_graphs=dit.cuda_graphs, prompt_buckets=",".join(map(str, dit.prompt_buckets)),
                 attention=dit.attention, merge_lora=dit.merge_lora, teacher_sharded=dit.teacher_sharded,
                 teacher_overlap=dit.teacher_overlap, teacher_staged=dit.teacher_staged,
@@ -517,7 +513,6 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=380)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--fp8", action="store_true")
-    parser.add_argument("--encoder-fp8", action="store_true", help="FP8 linears in the text encoder (encoder.fp8)")
     parser.add_argument("--adaln-cache", action="store_true")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="capture the text encoder and the audio teacher's steps as CUDA graphs (*.cuda_graphs)")

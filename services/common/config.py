@@ -74,15 +74,9 @@ class EncoderConfig:
     prompt is padded at the end to its bucket, which a causal stack ignores."""
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS
     """Prompt lengths (tokens) the graphs are captured for, increasing; the largest must hold max_tokens."""
-    fp8: bool = False
-    """FP8 (e4m3) linears in every decoder layer of the text stack, per-channel weight and per-token activation
-    scales. Start-up logs the hidden states' relative error against the unquantised stack on a probe
-    prompt."""
 
     def __post_init__(self):
         _check_dtype("encoder.dtype", self.dtype)
-        if not isinstance(self.fp8, bool):
-            raise ValueError(f"encoder.fp8={self.fp8!r}: must be true or false")
         if self.max_tokens < 1:
             raise ValueError(f"encoder.max_tokens={self.max_tokens}: must be ≥ 1")
         _check_ipc("encoder", self.cuda_ipc, self.ipc_slot_mib, self.ipc_slots, min_slots=1)

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from services.common.cuda_ipc import IpcConsumer, IpcProducer
 from services.common.stage_transport import send_tensor
-from services.common.fp8 import FP8Linear, quantize_rows, relative_error, scaled_mm_supported
-from services.dit.fp8 import fp8_error_report
+from services.dit.fp8 import FP8Linear, fp8_error_report, quantize_rows, relative_error, scaled_mm_supported
 from services.dit.layout import pack_layout
 from services.dit.model import PRESETS, FullAttention, build_random
 from vitascope.common.v1 import tensor_pb2 as pb

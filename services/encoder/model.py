@@ -27,7 +27,6 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
 )
 
 from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
-from services.common.fp8 import relative_error, swap_linear
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +125,6 @@ def get_preset(name: str) -> ModelArgs:
     if name not in PRESETS:
         raise ValueError(f"unknown text-encoder preset {name!r}; known presets: {sorted(PRESETS)}")
     return PRESETS[name]
-
-
-TEXT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj")
-"""The linears of one decoder layer (`encoder.fp8` quantises them all)."""
 
 
 class TextStack(nn.Module):
@@ -295,21 +289,6 @@ class TextEncoder:
         stack.reset_rotary(device)
         stack.eval()
         return cls(stack=stack, tokenizer=None, max_tokens=max_tokens, device=torch.device(device))
-
-    @torch.inference_mode()
-    def quantize_fp8(self, probe_tokens: int) -> float:
-        """Swap every decoder layer's linears (attention q/k/v/o, MLP gate/up/down) for FP8 ones
-        (`services.common.fp8`; the token embedding stays) and return the relative error of the hidden states of a
-        seeded `probe_tokens`-token prompt against the unquantised stack. Call before `capture_graphs`."""
-        if self.graphs is not None:
-            raise ValueError("quantize_fp8 after capture_graphs: the graphs would keep the unquantised weights")
-        gen = torch.Generator().manual_seed(0)
-        probe = torch.randint(self.stack.args.vocab_size, (probe_tokens,), generator=gen).to(self.device)
-        ref = self.stack(probe)
-        for i in range(len(self.stack.layers)):
-            for name in TEXT_LINEARS:
-                swap_linear(self.stack, f"layers.{i}.{name}")
-        return relative_error(self.stack(probe), ref)
 
     @torch.inference_mode()
     def capture_graphs(self, buckets: PromptBuckets) -> None:

@@ -48,10 +48,6 @@ class EncoderService(Stage):
             root = pathlib.Path(model.dir) / "MiniMax-H3"
             self.model = TextEncoder.load(root, model.preset, cfg.device, dtype, max_tokens=cfg.max_tokens)
         log.info("text encoder loaded: preset=%s device=%s dtype=%s", model.preset, cfg.device, cfg.dtype)
-        if cfg.fp8:
-            error = self.model.quantize_fp8(cfg.max_tokens)
-            log.info("text encoder linears in FP8: hidden states within %.4f (relative) of the unquantised stack on "
-                     "a %d-token probe prompt", error, cfg.max_tokens)
 
     def warmup(self) -> None:
         """Capture the CUDA graphs if configured, then run one encode so kernels and allocations are ready."""

@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from services.common.config import DiTConfig, EncoderConfig, ModelConfig, VAEConfig, load_profile
+from services.common.config import DiTConfig, ModelConfig, VAEConfig, load_profile
 
 pytestmark = pytest.mark.cpu
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -18,7 +18,6 @@ def test_shipped_profiles_load(name):
     assert profile.dit.attention == ("cudnn" if gpu else "default")  # (merged before FP8 it blurs the video),
     assert profile.dit.merge_lora == (name == "usp4_bf16")
     assert profile.vae.compile_blocks == gpu  # and the video decoder's ViT blocks compiled
-    assert profile.encoder.fp8 == (name == "usp2_fp8")  # the FP8 profile's text encoder too
 
 
 def test_unknown_key_is_named(tmp_path):
@@ -39,8 +38,6 @@ def test_bad_values_are_named():
         DiTConfig(attention="flash3")
     with pytest.raises(ValueError, match="dit.merge_lora='yes': must be true or false"):
         DiTConfig(merge_lora="yes")
-    with pytest.raises(ValueError, match="encoder.fp8=1: must be true or false"):
-        EncoderConfig(fp8=1)
     with pytest.raises(ValueError, match="dit.reuse_text_kv=1: must be true or false"):
         DiTConfig(reuse_text_kv=1)
 

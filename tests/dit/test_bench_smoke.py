@@ -59,10 +59,10 @@ def test_bench_takes_its_options_from_a_profile():
 
     usp2 = profile_options(load_profile(ROOT / "configs" / "usp2_fp8.yaml"))
     assert set(usp2) == set(PROFILE_OPTIONS)
-    assert usp2 == dict(preset="full", devices="cuda:0,cuda:1", width=864, height=480, max_tokens=512,
-                        encoder_fp8=True, fp8=True, adaln_cache=True, cuda_graphs=True,
-                        prompt_buckets="128,256,384,512", attention="cudnn", merge_lora=False,
-                        teacher_sharded=False, teacher_overlap=True, teacher_staged=True, reuse_text_kv=True,
+    assert usp2 == dict(preset="full", devices="cuda:0,cuda:1", width=864, height=480, max_tokens=512, fp8=True,
+                        adaln_cache=True, cuda_graphs=True, prompt_buckets="128,256,384,512", attention="cudnn",
+                        merge_lora=False, teacher_sharded=False, teacher_overlap=True, teacher_staged=True,
+                        reuse_text_kv=True,
                         tile_overlap=32, vae_tile_devices="cuda:0", vae_compile=True, vae_graphs=True, window=2)
     usp2_vae_on_0 = load_profile(ROOT / "configs" / "usp2_fp8.yaml", {"vae": {"device": "cuda:0", "tile_devices": []}})
     with pytest.raises(ValueError, match="the VAE on the last .*puts them on cuda:0 and cuda:0"):

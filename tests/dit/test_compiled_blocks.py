@@ -15,8 +15,7 @@ from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profil
 from services.dit import fused
 from services.dit.api import PromptUpdate, SessionConfig
 from services.dit import model as dit_model
-from services.common.fp8 import FP8Linear, relative_error
-from services.dit.fp8 import quantize_linears
+from services.dit.fp8 import FP8Linear, quantize_linears, relative_error
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, write_random_adapter
 from services.dit.model import PRESETS, FullAttention, build_random

@@ -7,8 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.dit.api import LoRAError
-from services.common.fp8 import relative_error
-from services.dit.fp8 import quantize_linears
+from services.dit.fp8 import quantize_linears, relative_error
 from services.dit.geometry import check_canvas, plan_request
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, load_adapter, lora_targets, write_random_adapter

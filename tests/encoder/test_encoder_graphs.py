@@ -39,11 +39,8 @@ def test_buckets_must_hold_the_longest_prompt():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fp8", [False, True])
-def test_encoder_graph_replay_equals_eager_bitwise_on_gpu(fp8):
+def test_encoder_graph_replay_equals_eager_bitwise_on_gpu():
     enc = TextEncoder.random("tiny", "cuda", torch.bfloat16, seed=0, max_tokens=32)
-    if fp8:  # the FP8 GEMMs and the per-token quantisation captured like any kernel
-        assert enc.quantize_fp8(probe_tokens=32) < 0.1
     enc.capture_graphs(BUCKETS)
     for n in (5, 16, 30):
         ids = torch.randint(0, enc.stack.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
