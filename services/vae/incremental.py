@@ -110,6 +110,7 @@ class IncrementalVideoDecoder:
         (frames,) = self.pixel_parts(latents, split=False)
         return frames
 
+    @torch.inference_mode()
     def pixel_parts(self, latents: torch.Tensor, split: bool) -> Iterator[torch.Tensor]:
         """Decode one phase `[F, 24, h, w]` to float RGB `[n, H, W, 3]` in [0, 1] in the parts of `part_frames` (one
         part unless `split`), yielding each part once decoded."""
@@ -123,8 +124,8 @@ class IncrementalVideoDecoder:
                     f"video latent grid changed mid-stream: {tuple(context.shape[1:])} -> "
                     f"{tuple(latents.shape[1:])}; call reset() for a new canvas")
             latents = torch.cat([context, latents])  # latents: [2 + F, 24, h, w]
-        first_clips = [1] if len(sizes) > 1 else []
-        for i, frames in enumerate(self.decoder.decode_pixel_parts(latents, first_clips)):  # [n(+5), H, W, 3]
+        head_clips = 1 if len(sizes) > 1 else 0
+        for i, frames in enumerate(self.decoder.decode_pixel_parts(latents, head_clips)):  # [n(+5), H, W, 3]
             if i == 0 and context is not None:
                 frames = frames[self.context_frames:]
             if frames.shape[0] != sizes[i]:  # a geometry mismatch would silently shift the timeline

@@ -257,21 +257,21 @@ class VideoDecoder:
     @torch.inference_mode()
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode normalised latents `[F, 24, h, w]` to float RGB `[N, H, W, 3]` in [0, 1]."""
-        (rgb,) = self.decode_pixel_parts(latents, [])
+        (rgb,) = self.decode_pixel_parts(latents, head_clips=0)
         return rgb
 
     @torch.inference_mode()
-    def decode_pixel_parts(self, latents: torch.Tensor, first_clips: Sequence[int]) -> Iterator[torch.Tensor]:
-        """Decode normalised latents `[F, 24, h, w]` in parts: first parts of `first_clips` clips each, then the
-        remaining clips; yield each part's float RGB frames `[n, H, W, 3]` in [0, 1] once decoded."""
+    def decode_pixel_parts(self, latents: torch.Tensor, head_clips: int) -> Iterator[torch.Tensor]:
+        """Decode normalised latents `[F, 24, h, w]` in two parts, the first `head_clips` clips and then the rest
+        (in one part when `head_clips` is 0); yield each part's float RGB frames `[n, H, W, 3]` in [0, 1] as soon
+        as it is decoded."""
         self.validate(latents)
         self.num_frames(latents.shape[0])
         num_clips = (latents.shape[0] - self.vae.token_overlap) // self.vae.tokens_chunk_size
-        bounds = [0, *itertools.accumulate(first_clips)]
-        if any(n < 1 for n in first_clips) or bounds[-1] >= num_clips:
-            raise InvalidLatents(f"parts of {list(first_clips)} clips leave none of the {num_clips} clips of "
-                                 f"{latents.shape[0]} latents for the last part")
-        parts = [range(a, b) for a, b in zip(bounds, bounds[1:])] + [range(bounds[-1], num_clips)]
+        if not 0 <= head_clips < num_clips:
+            raise InvalidLatents(f"head_clips={head_clips}: the {latents.shape[0]} latents hold {num_clips} clips, "
+                                 "and the second part needs at least one")
+        parts = [range(head_clips), range(head_clips, num_clips)] if head_clips else [range(num_clips)]
         # z: [1, C, F, h, w], denormalised per channel, in the dtype of the first decoder module (like diffusers).
         z = latents.to(self.device, torch.float32).permute(1, 0, 2, 3)[None] * self._std + self._mean
         for sample in self._decode_clip_parts(z[0].to(get_parameter_dtype(self.vae.post_quant_conv)), parts):

@@ -69,8 +69,8 @@ def test_the_first_chunk_goes_out_before_the_rest_of_the_first_phase_is_decoded(
     decoded = []
     real = stream.video.decoder.decode_pixel_parts
 
-    def parts(latents, first_clips):
-        for frames in real(latents, first_clips):
+    def parts(latents, head_clips):
+        for frames in real(latents, head_clips):
             decoded.append(frames.shape[0])
             yield frames
     monkeypatch.setattr(stream.video.decoder, "decode_pixel_parts", parts)

@@ -28,13 +28,12 @@ def test_warm_up_decodes_every_phase_size_of_a_stream(tmp_path):
     decoder = VideoDecoder(load_video_vae(write_random_checkpoint("tiny", tmp_path, seed=3)))
     seen = []
     real = decoder.decode_pixel_parts
-    decoder.decode_pixel_parts = lambda latents, first: seen.append((tuple(latents.shape), first)) or real(latents,
-                                                                                                       first)
+    decoder.decode_pixel_parts = lambda latents, head: seen.append((tuple(latents.shape), head)) or real(latents, head)
     warm_up_video(decoder, width=96, height=64)
     # the first call as it comes (in two parts, as a session's first phase is decoded), later ones behind the 2
     # carried latents, on the canvas's latent grid
     assert WARMUP_PHASE_LATENTS == (12, 10, 5)
-    assert seen == [((12, 24, 4, 6), [1]), ((12, 24, 4, 6), []), ((7, 24, 4, 6), [])]
+    assert seen == [((12, 24, 4, 6), 1), ((12, 24, 4, 6), 0), ((7, 24, 4, 6), 0)]
 
 
 @pytest.mark.gpu
