@@ -19,7 +19,6 @@ so the decode's GPU time is spread over the GPUs the DiT ranks share with it.
 """
 from __future__ import annotations
 
-import itertools
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import ContextManager, Iterator, Sequence
