@@ -120,8 +120,8 @@ def join_ulysses(runtime: DiTRuntime, comm: RankGroup, profile: Profile, rank: i
     capture its graphs (`dit.cuda_graphs`; every rank captures the same keys in the same order).
 
     The teacher's short documents (~700 rows) run on every rank without the all-to-alls: whole, or with
-    `dit.teacher_staged` one stage of its blocks per rank, the hidden rows handed over through host memory on a
-    gloo group of its own.
+    `dit.teacher_staged` one stage of its blocks per rank, the hidden rows handed over through host memory the
+    ranks share, signalled on a gloo group of its own.
     With `dit.teacher_sharded` its graphed steps run sharded like every other forward, the all-to-alls captured
     inside the graphs (not abortable if a rank dies: see the option).
     """

@@ -11,7 +11,8 @@ records each step as a CUDA graph at start-up, per prompt-length bucket and audi
 to its bucket and the padding rows are masked out as attention keys (`PackedLayout.text_valid`), so the real rows
 compute what the unpadded prompt gives. Under Ulysses the steps run whole on each rank (`placement`); with
 `dit.teacher_staged`, each rank runs one contiguous stage of the blocks (`TeacherStages`) and a step's hidden rows
-go from rank to rank through host memory on a gloo group of the teacher's own, outside the graphs; or, with
+go from rank to rank through host memory the ranks share (signalled on a gloo group of the teacher's own),
+outside the graphs; or, with
 `dit.teacher_sharded`, graphed and sharded over the ranks like any forward (the all-to-alls captured with them).
 
 `start` begins a request's teacher and returns a `TeacherRun` whose states the students wait for one by one. With
@@ -40,6 +41,7 @@ from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT, FullAttention
 from services.dit.schedule import TEACHER_MILESTONES, TEACHER_SIGMAS, euler_step, model_t
 from services.dit.session import CancelToken
+from services.dit.shared_host import SharedHostRegion
 from services.dit.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -94,11 +96,11 @@ class TeacherStages:
     Every rank holds all the weights but runs only its own stage of each step: rank 0 the input projections and the
     first blocks, the last rank the last blocks, the head and the Euler step. Between stages the hidden rows are
     broadcast from the rank that made them, and the new audio state from the last rank; so every rank does 1/N of
-    the teacher's work instead of all of it, and holds every state. The broadcasts run eagerly between the graph
-    replays, through host memory on a gloo `group` of the teacher's own: the teacher replays beside the students,
-    whose all-to-alls run on the NCCL group, and NCCL forbids operations on two communicators that overlap (a
-    second NCCL group here hung the DiT group on 2xH200). A hand-over of the full preset's 896-row document is
-    9.6 MB.
+    the teacher's work instead of all of it, and holds every state. The hand-overs run eagerly between the graph
+    replays, through host memory every rank maps (`shared_host`), with a one-byte broadcast on a gloo `group` of the
+    teacher's own to say the data is there: the teacher replays beside the students, whose all-to-alls run on the
+    NCCL group, and NCCL forbids operations on two communicators that overlap (a second NCCL group here hung the DiT
+    group on 2xH200). A hand-over of the full preset's 896-row document is 9.6 MB, which no longer crosses a socket.
     """
 
     group: "dist.ProcessGroup"
@@ -194,7 +196,8 @@ class AudioTeacher:
         self.overlap = False
         """Replay the captured steps beside the caller (`start`); set from `dit.teacher_overlap`. Only for steps
         without collectives: a sharded teacher's all-to-alls must not interleave with the students'."""
-        self._host: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> pinned buffer of the staged hand-overs
+        self._shared: dict[str, SharedHostRegion] = {}  # "hidden" / "state" -> the staged hand-overs' host memory
+        self._signal = torch.zeros(1, dtype=torch.uint8)  # "it is in the shared region", from a hand-over's source
         self._stream: "torch.cuda.Stream | None" = None
         self._worker: ThreadPoolExecutor | None = None
         self._last: Future | None = None  # the latest run's end: runs never overlap each other (one graph pool)
@@ -377,26 +380,28 @@ class AudioTeacher:
             if r == st.rank:
                 out = self._forward(doc, step, layout, self._stage_inputs(layout, inputs, hidden), replay_only)
             if r < st.last:  # stage r's hidden rows [S, C] to every rank (the next stage takes them)
-                hidden = self._hand_over(out, (layout.seq_len, self.model.args.hidden_size), self.model.dtype,
-                                         x.device, src=r, keep=r + 1 == st.rank)
+                hidden = self._hand_over("hidden", out, (layout.seq_len, self.model.args.hidden_size),
+                                         self.model.dtype, x.device, src=r, keep=r + 1 == st.rank)
         new = self._euler(doc, step, x, out) if st.rank == st.last else None
-        return self._hand_over(new, tuple(x.shape), x.dtype, x.device, src=st.last, keep=True)
+        return self._hand_over("state", new, tuple(x.shape), x.dtype, x.device, src=st.last, keep=True)
 
-    def _hand_over(self, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                   src: int, keep: bool) -> torch.Tensor | None:
-        """Broadcast `t` (given on rank `src` only) over the stages' group through host memory; returns it on
-        `device` where `keep` (None elsewhere). The copy to the host waits for `t`'s stage; the copy back for
-        this rank's queued teacher work, so the host buffer is free again when the next hand-over fills it."""
+    def _hand_over(self, kind: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device, src: int, keep: bool) -> torch.Tensor | None:
+        """Hand `t` (given on rank `src` only) to every rank of the stages' group: `src` writes it into the `kind`
+        region of host memory all the ranks map, then a one-byte broadcast on the group says it is there; returns
+        it on `device` where `keep` (None elsewhere).
+
+        The write waits for `t`'s stage. A rank reads (a blocking copy) before it takes part in the next hand-over,
+        and every write of a region follows, through the chain of hand-overs, the reads of what it held before; so
+        one region per kind is never overwritten while a rank still needs it."""
         st = self.stages
-        if device.type == "cpu":
-            host = t if st.rank == src else torch.empty(shape, dtype=dtype)
-        else:
-            host = self._host.get((shape, dtype))
-            if host is None:  # page-locked, one per shape: the copies run at full speed
-                host = self._host[(shape, dtype)] = torch.empty(shape, dtype=dtype, pin_memory=True)
-            if st.rank == src:
-                host.copy_(t)
-        dist.broadcast(host, group=st.group, group_src=src)
+        region = self._shared.get(kind)
+        if region is None:
+            region = self._shared[kind] = SharedHostRegion(st.group, st.rank, device, f"teacher-{kind}")
+        host = region.view(shape, dtype)
+        if st.rank == src:
+            host.copy_(t)
+        dist.broadcast(self._signal, group=st.group, group_src=src)
         if st.rank == src:
             return t
         return host.to(device, copy=True) if keep else None

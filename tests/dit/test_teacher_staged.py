@@ -1,8 +1,9 @@
 """The audio teacher staged over a group (`dit.teacher_staged`): each rank runs one contiguous stage of the
-blocks and hands the hidden rows on (through host memory, on a gloo group); every rank ends with the states one
-rank's whole teacher gives, bit for bit (the same operations in the same order), for 2 ranks and for 4 ranks over
-an uneven split; on two GPUs the stages' graphs, replayed beside the caller on the teacher's stream, give the whole
-teacher's graphed states bitwise; a stage that raises on one rank fails the group at once, not after its timeout."""
+blocks and hands the hidden rows on (through host memory the ranks share, signalled on a gloo group); every rank
+ends with the states one rank's whole teacher gives, bit for bit (the same operations in the same order), for 2
+ranks and for 4 ranks over an uneven split; on two GPUs the stages' graphs, replayed beside the caller on the
+teacher's stream, give the whole teacher's graphed states bitwise; a stage that raises on one rank fails the group at
+once, not after its timeout."""
 
 import dataclasses
 import os
@@ -17,6 +18,7 @@ from services.dit.geometry import check_canvas
 from services.dit.launch import free_port
 from services.dit.model import build_random
 from services.dit.session import CancelToken
+from services.dit.shared_host import SHARED_DIR
 from services.dit.teacher import STEPS, AudioTeacher, TeacherStages
 from services.dit.timeline import Timeline
 from tests.dit.test_teacher_graphs import ARGS, BUCKETS, request_inputs, run
@@ -58,7 +60,7 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str, deep: bool) -> No
         model = build_random(args, "cpu", torch.float32, seed=0)
         broadcasts = []
         real = dist.broadcast
-        dist.broadcast = lambda t, **k: (broadcasts.append(k["group_src"]), real(t, **k))[1]
+        dist.broadcast = lambda t, **k: (broadcasts.append((k["group_src"], t.nbytes)), real(t, **k))[1]
         teacher = AudioTeacher(model, None)
         teacher.stages = TeacherStages(dist.new_group(list(range(world))), rank, world, args.num_layers)
         teacher.capture_graphs(BUCKETS)  # a CPU bank: this rank's stage of the padded steps, eagerly
@@ -80,17 +82,20 @@ def test_staged_teacher_equals_the_whole_teacher_on_every_rank(tmp_path, world, 
     whole = AudioTeacher(model, None)
     whole.capture_graphs(BUCKETS)
     ref = [run(whole, k, n) for k, n in REQUESTS]
+    before = set(SHARED_DIR.glob("vitascope-teacher-*"))
     run_ranks(_gloo_rank, world, free_port("127.0.0.1"), str(tmp_path), deep, timeout_s=180)
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["ran"] == list(TeacherStages(None, rank, world, args.num_layers).blocks(rank))
         assert got["calls"] == len(got["ran"]) * STEPS * len(REQUESTS)  # its blocks only, once per step
-        # per step: stage r's hidden rows from each rank but the last, then the new state from the last
-        per_step = list(range(world - 1)) + [world - 1]
+        # per step: stage r's hidden rows from each rank but the last, then the new state from the last; each a
+        # one-byte signal, the rows themselves in the host memory the ranks share
+        per_step = [(r, 1) for r in range(world - 1)] + [(world - 1, 1)]
         assert got["broadcasts"] == per_step * STEPS * len(REQUESTS)
         for states, want in zip(got["states"], ref):
             assert len(states) == 3
             assert all(torch.equal(a, b) for a, b in zip(states, want))
+    assert set(SHARED_DIR.glob("vitascope-teacher-*")) == before  # unlinked once every rank had mapped them
 
 
 def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
