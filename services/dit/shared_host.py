@@ -62,7 +62,7 @@ class SharedHostRegion:
             if self.rank == 0:
                 os.unlink(path[0])
         if self.device.type == "cuda":
-            err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), capacity, 0)
+            err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), capacity, 1)  # 1: portable
             self._registered = int(err) == 0
             if not self._registered:  # still correct, only slower: copies go through a pinned bounce buffer
                 log.warning("%s: cudaHostRegister of %d bytes of shared memory failed (%s)", self.tag, capacity, err)
