@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 SHARED_DIR = pathlib.Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 """Where the regions' files live (for the moment between their creation and their unlinking)."""
 _MIB = 1 << 20
+_MIN_CAPACITY = 16 * _MIB
+"""Smallest region: any hand-over of the full preset's teacher fits (10.7 MB at the 512-token bucket), so a region
+is mapped once, at the service's warm-up, and never grows while serving."""
 _names = itertools.count()
 
 
@@ -43,18 +46,24 @@ class SharedHostRegion:
         for the same views in the same order (they do: every rank runs the same hand-overs)."""
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         if nbytes > self.capacity:
-            self._map(-(-nbytes // _MIB) * _MIB)
+            self._map(max(_MIN_CAPACITY, -(-nbytes // _MIB) * _MIB))
         return self._bytes[:nbytes].view(dtype).view(shape)
 
     def _map(self, capacity: int) -> None:
         """Replace the mapping with a new file of `capacity` bytes that every rank maps."""
         self.close()
-        path = [None]
+        path = [None]  # the file's path, or why the first rank could not make it (every rank then raises)
         if self.rank == 0:
-            path[0] = str(SHARED_DIR / f"vitascope-{self.tag}-{os.getpid()}-{next(_names)}")
-            with open(path[0], "wb") as f:
-                f.truncate(capacity)
+            name = str(SHARED_DIR / f"vitascope-{self.tag}-{os.getpid()}-{next(_names)}")
+            try:
+                with open(name, "wb") as f:
+                    f.truncate(capacity)
+                path[0] = name
+            except OSError as exc:
+                path[0] = OSError(f"{self.tag}: cannot make a {capacity >> 20} MiB region in {SHARED_DIR}: {exc}")
         dist.broadcast_object_list(path, group=self.group, group_src=0)
+        if isinstance(path[0], OSError):
+            raise path[0]
         try:
             self._bytes = torch.from_file(path[0], shared=True, size=capacity, dtype=torch.uint8)
         finally:
