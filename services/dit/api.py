@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.config import bucket_sizes_error
 from services.common.errors import Cancelled, InvalidInput, VitascopeError
 
 CANVAS_SHORT_EDGES = {"full": (480, 768, 1088), "tiny": (64, 128, 192, 256)}
@@ -55,6 +56,10 @@ class RuntimeConfig:
     reuse_text_kv: bool = True
     """Compute a request's text rows once per text timestep and reuse their K/V in its later phases (they attend
     to the text only, so their K/V do not depend on the phase); False runs them in every forward."""
+    text_buckets: tuple[int, ...] = ()
+    """Prompt lengths a forward's text rows are padded up to (the smallest that holds the prompt), the padding
+    masked out as keys: the forwards that run the text rows then take a few fixed shapes, which the block graphs
+    are captured for (`text_block_shapes`). Empty: the prompt's exact rows."""
 
     def __post_init__(self) -> None:
         if not self.canvases or any(not isinstance(c, int) or c <= 0 or c % 32 for c in self.canvases):
@@ -65,6 +70,13 @@ class RuntimeConfig:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if not isinstance(self.reuse_text_kv, bool):
             raise ValueError(f"reuse_text_kv={self.reuse_text_kv!r} must be true or false")
+        object.__setattr__(self, "text_buckets", tuple(self.text_buckets))
+        if self.text_buckets:
+            if why := bucket_sizes_error(self.text_buckets):
+                raise ValueError(f"text_buckets={list(self.text_buckets)}: {why}")
+            if self.text_buckets[-1] < self.max_text_tokens:
+                raise ValueError(f"text_buckets={list(self.text_buckets)}: the largest must hold a prompt of "
+                                 f"max_text_tokens={self.max_text_tokens} rows")
 
     @classmethod
     def for_preset(cls, preset: str, **overrides) -> "RuntimeConfig":

@@ -11,8 +11,9 @@ transaction (rollback on any failure). The commit runs at the start of the next 
 read that K/V): a phase's latents never wait for their own commit, and a failed commit is retried before the
 students. A request's text rows are computed once per text timestep (the 3 student steps and the commit): the
 first forward at that timestep records their K/V of every layer, the same step of the request's later phases runs
-on its media rows alone (`RuntimeConfig.reuse_text_kv`). Cancellation is checked between forwards and releases the
-session's KV at once. Knows nothing about transport, encoding or decoding.
+on its media rows alone (`RuntimeConfig.reuse_text_kv`); with `RuntimeConfig.text_buckets` the text rows are padded
+to a bucket, so those four forwards also have shapes the block graphs hold. Cancellation is checked between forwards
+and releases the session's KV at once. Knows nothing about transport, encoding or decoding.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 from einops import rearrange
 
+from services.common.cuda_graphs import PromptBuckets
 from services.common.errors import NoCapacity
 from services.dit.api import (InvalidPrompt, PhaseMeta, PhaseOutput, PhaseTimings, PromptUpdate, RuntimeConfig,
                               SessionCancelled, SessionClosed, SessionConfig)
@@ -51,16 +53,29 @@ def text_free_block_shapes(canvases: Sequence[Canvas], ulysses_degree: int) -> l
     """(rows per rank, timestep slots) of every forward a session runs without text rows (`reuse_text_kv`).
 
     The students of phases 1-3 of every request and the commits of phases 1-3 (run at the start of the next phase):
-    phase 0's students and its commit are the request's first forwards at their text timesteps, which run the text.
-    These are the shapes `BlockGraphs` captures.
+    phase 0's students and its commit are the request's first forwards at their text timesteps, which run the text
+    (`text_block_shapes`). These are shapes `BlockGraphs` captures.
     """
+    return _block_shapes(canvases, ulysses_degree, phases=slice(1, None), text_rows=(0,))
+
+
+def text_block_shapes(canvases: Sequence[Canvas], ulysses_degree: int, text_buckets: Sequence[int]
+                      ) -> list[tuple[int, int]]:
+    """(rows per rank, timestep slots) of the forwards that run a request's text rows (`reuse_text_kv`), the text
+    padded to one of `text_buckets` (`RuntimeConfig.text_buckets`): phase 0's students and its commit (run at the
+    start of phase 1). These are shapes `BlockGraphs` captures."""
+    return _block_shapes(canvases, ulysses_degree, phases=slice(0, 1), text_rows=tuple(text_buckets))
+
+
+def _block_shapes(canvases: Sequence[Canvas], ulysses_degree: int, phases: slice, text_rows: Sequence[int]
+                  ) -> list[tuple[int, int]]:
     slots = {len({model_t(VIDEO_SIGMAS[s]), model_t(AUDIO_SIGMAS[s])}) for s in range(STUDENT_STEPS)} | {1}
     rows = set()
     for canvas in canvases:
         for plan in plans_of_every_shape():
-            for ph in plan.phases[1:]:
-                real = 2 * ph.num_audio_latents + ph.num_latents * canvas.rows_per_frame
-                rows.add(padded_rows(real) // ulysses_degree)
+            for ph in plan.phases[phases]:
+                media = 2 * ph.num_audio_latents + ph.num_latents * canvas.rows_per_frame
+                rows.update(padded_rows(text + media) // ulysses_degree for text in text_rows)
     return sorted((r, n) for r in rows for n in slots)
 
 
@@ -110,6 +125,7 @@ class DiTRuntime:
             raise ValueError(f"ulysses_degree={config.ulysses_degree} does not divide num_heads="
                              f"{model.args.num_heads}")
         self.model, self.config, self.adapter = model, config, adapter
+        self.text_buckets = PromptBuckets(config.text_buckets) if config.text_buckets else None
         self.teacher = AudioTeacher(model, adapter)
         self._lock = threading.Lock()
         self._active: StreamingSession | None = None
@@ -304,19 +320,24 @@ class StreamingSession:
         their K/V; later forwards at that timestep take them from the record.
         """
         text_t = model_t(sigma_v)  # text rows take the video timestep
-        reuse = self.runtime.config.reuse_text_kv
-        text_kv = req.text_kv.get(text_t) if reuse else None
+        config = self.runtime.config
+        text_kv = req.text_kv.get(text_t) if config.reuse_text_kv else None
         text = req.text if text_kv is None else req.text[:0]  # [Tt or 0, text_dim]
+        positions_text = self.timeline.text(ph.request_index, text.shape[0])  # [Tt or 0, 3]
+        real = text.shape[0]
+        if real and self.runtime.text_buckets is not None:  # [Tt, ...] -> [bucket, ...]: zero rows after the prompt
+            text, _ = self.runtime.text_buckets.pad(text)
+            positions_text = torch.cat([positions_text, positions_text.new_zeros(text.shape[0] - real, 3)])
         layout = pack_layout(text_len=text.shape[0], audio_len_per_channel=ph.num_audio_latents,
-                             video_rows=ph.num_latents * self.canvas.rows_per_frame,
-                             positions_text=self.timeline.text(ph.request_index, text.shape[0]),
+                             video_rows=ph.num_latents * self.canvas.rows_per_frame, positions_text=positions_text,
                              positions_audio=self.timeline.audio(ph.audio_start, ph.num_audio_latents),
-                             positions_video=self.timeline.video(ph), video_t=text_t,
-                             audio_t=model_t(sigma_a)).to(self.device)
-        attention = StreamingAttention(layout, self.kv, commit=commit, text_kv=text_kv,
-                                       record=reuse and text_kv is None)
+                             positions_video=self.timeline.video(ph), video_t=text_t, audio_t=model_t(sigma_a))
+        if text.shape[0] != real:
+            layout = replace(layout, text_valid=torch.arange(text.shape[0]) < real)
+        attention = StreamingAttention(layout, self.kv, commit=commit, text_kv=text_kv,  # from the CPU layout
+                                       record=config.reuse_text_kv and text_kv is None)
         with torch.no_grad():
-            out = self.runtime.model(xv, xa, text, layout, attention, heads=not commit)
+            out = self.runtime.model(xv, xa, text, layout.to(self.device), attention, heads=not commit)
         if attention.recorded is not None:  # only a forward that completed records
             req.text_kv[text_t] = attention.recorded
         return None if commit else out[0]

@@ -24,7 +24,7 @@ from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_sdpa_kernels
-from services.dit.runtime import DiTRuntime, text_free_block_shapes
+from services.dit.runtime import DiTRuntime, text_block_shapes, text_free_block_shapes
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig
 
@@ -72,22 +72,26 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
         log.info("AdaLN cache: %s", model.cache_adaln(runtime_timesteps()))
     if device.type == "cuda":
         compile_block_regions(model, adapter)
+    block_graphs = cfg.cuda_graphs and cfg.reuse_text_kv and device.type == "cuda"
     runtime = DiTRuntime(model, RuntimeConfig(
         canvases=cfg.canvas_short_edges, max_text_tokens=profile.encoder.max_tokens,
         ulysses_degree=cfg.usp_degree, audio_reset_requests=cfg.audio_reset_requests,
-        reuse_text_kv=cfg.reuse_text_kv), adapter)
+        reuse_text_kv=cfg.reuse_text_kv, text_buckets=cfg.prompt_buckets if block_graphs else ()), adapter)
     runtime.teacher.overlap = cfg.teacher_overlap
     if cfg.cuda_graphs and cfg.usp_degree == 1:  # a Ulysses group captures them once it has formed (launch)
         runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets))
-    if cfg.cuda_graphs and cfg.reuse_text_kv and device.type == "cuda":  # no collective inside: captured right away
+    if block_graphs:  # no collective inside: captured right away
         started = time.perf_counter()
         graphs = BlockGraphs(model, adapter, device, cfg.usp_degree)
-        for rows, slots in text_free_block_shapes(profile_canvases(profile), cfg.usp_degree):
+        canvases = profile_canvases(profile)
+        shapes = set(text_free_block_shapes(canvases, cfg.usp_degree))
+        shapes |= set(text_block_shapes(canvases, cfg.usp_degree, cfg.prompt_buckets))
+        for rows, slots in sorted(shapes):
             graphs.capture(rows, slots)
         graphs.seal()
         model.block_graphs = graphs
-        log.info("block graphs of the text-free student and commit forwards captured in %.1f s: (rows on this rank, "
-                 "timestep slots) %s", time.perf_counter() - started, graphs.shapes)
+        log.info("block graphs of every student and commit forward (the text padded to its bucket) captured in "
+                 "%.1f s: (rows on this rank, timestep slots) %s", time.perf_counter() - started, graphs.shapes)
     return runtime
 
 

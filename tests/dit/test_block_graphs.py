@@ -1,6 +1,6 @@
 """The block stack as piecewise CUDA graphs (`BlockGraphs`): the pieces between the attention calls compute what the
 block loop computes, only the captured shapes with the LoRA active replay, and a session's text-free forwards are
-exactly the captured shapes. On the CPU the bank runs each piece eagerly (same bookkeeping); on a GPU they replay."""
+exactly the captured shapes, and with the text padded to a bucket so are the forwards that run it. On the CPU the bank runs each piece eagerly (same bookkeeping); on a GPU they replay."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from services.dit.geometry import Canvas
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, FullAttention, build_random
-from services.dit.runtime import DiTRuntime, text_free_block_shapes
+from services.dit.runtime import DiTRuntime, text_block_shapes, text_free_block_shapes
 
 ARGS = PRESETS["tiny"]
 PIECES = ARGS.num_layers + 1
@@ -116,3 +116,36 @@ def test_a_session_replays_every_text_free_forward():
     replayed = [s for s in shapes if s[:2] in graphs.shapes]
     assert {s for s in shapes if not s[2]} <= set(replayed)
     assert graphs.bank.stats.replays == len(replayed) * PIECES and graphs.bank.stats.misses == 0
+
+
+@pytest.mark.cpu
+def test_with_text_buckets_a_session_replays_every_forward():
+    canvas, buckets = Canvas(96, 64), (64,)
+    runs, counts = [], []
+    for with_graphs in (False, True):
+        model, adapter = model_and_adapter("cpu", torch.float32)
+        graphs = None
+        if with_graphs:
+            graphs = BlockGraphs(model, adapter, torch.device("cpu"), 1)
+            shapes = set(text_free_block_shapes([canvas], 1)) | set(text_block_shapes([canvas], 1, buckets))
+            for rows, slots in sorted(shapes):
+                graphs.capture(rows, slots)
+            graphs.seal()
+            model.block_graphs = graphs
+        forwards = []
+        model.register_forward_pre_hook(lambda m, a: forwards.append(a[3].text_len) if not adapter.suspended_depth
+                                        else None)
+        config = RuntimeConfig.for_preset("tiny", max_text_tokens=16, text_buckets=buckets)
+        rt = DiTRuntime(model, config, adapter)
+        text = torch.randn(7, ARGS.text_dim, generator=torch.Generator().manual_seed(4))
+        session = rt.open_session(SessionConfig(seed=2, width=canvas.width, height=canvas.height), PromptUpdate(text))
+        runs.append([session.next_phase() for _ in range(6)])
+        session.close()
+        counts.append(forwards)
+    for a, b in zip(*runs):
+        assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
+    # the 8 forwards with text rows have the bucket's 64 (7 real), which puts request 0's phase 0 on 320 rows
+    # instead of the exact rows' 256: a shape only `text_block_shapes` holds
+    assert sorted(set(counts[1])) == [0, 64] and counts[1].count(64) == 8
+    assert (320, 2) in graphs.shapes and (320, 2) not in text_free_block_shapes([canvas], 1)
+    assert graphs.bank.stats.replays == len(counts[1]) * PIECES and graphs.bank.stats.misses == 0

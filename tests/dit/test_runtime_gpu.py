@@ -13,10 +13,12 @@ pytestmark = pytest.mark.gpu
 ARGS = PRESETS["tiny"]
 
 
-def run(adapter_dir, reuse_text_kv: bool = True):
+def run(adapter_dir, reuse_text_kv: bool = True, text_buckets: tuple[int, ...] = ()):
     model = build_random(ARGS, "cuda", torch.bfloat16, seed=0)
     adapter = LoRAAdapter.load(model, adapter_dir)
-    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16, reuse_text_kv=reuse_text_kv), adapter)
+    config = RuntimeConfig.for_preset("tiny", max_text_tokens=16, reuse_text_kv=reuse_text_kv,
+                                      text_buckets=text_buckets)
+    rt = DiTRuntime(model, config, adapter)
     session = rt.open_session(SessionConfig(seed=4, width=256, height=192),
                               PromptUpdate(torch.randn(6, ARGS.text_dim, generator=torch.Generator().manual_seed(1)),
                                            "e0"))
@@ -42,5 +44,14 @@ def test_cuda_reused_text_kv_within_bf16_of_running_the_text_rows(tmp_path):
     adapter_dir = write_random_adapter(ARGS, tmp_path, seed=1)
     reused, recomputed = run(adapter_dir), run(adapter_dir, reuse_text_kv=False)
     for x, y in zip(reused, recomputed):
+        assert torch.equal(x.audio, y.audio)  # the teacher's
+        assert (x.video - y.video).norm() <= 2e-2 * y.video.norm()
+
+
+def test_cuda_text_padded_to_a_bucket_within_bf16_of_the_exact_rows(tmp_path):
+    # the usp2 profile's student and commit forwards run the text padded (RuntimeConfig.text_buckets)
+    adapter_dir = write_random_adapter(ARGS, tmp_path, seed=1)
+    padded, exact = run(adapter_dir, text_buckets=(64,)), run(adapter_dir)
+    for x, y in zip(padded, exact):
         assert torch.equal(x.audio, y.audio)  # the teacher's
         assert (x.video - y.video).norm() <= 2e-2 * y.video.norm()

@@ -1,5 +1,8 @@
 """A request's text rows run once per text timestep; its later phases take their recorded K/V
-(`RuntimeConfig.reuse_text_kv`, `StreamingAttention(record=..., text_kv=...)`)."""
+(`RuntimeConfig.reuse_text_kv`, `StreamingAttention(record=..., text_kv=...)`). Padded to a prompt-length bucket
+(`RuntimeConfig.text_buckets`), the text rows give what the prompt's exact rows give."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,10 +32,10 @@ def adapter_dir(tmp_path_factory):
     return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
 
 
-def open_session(adapter_dir, reuse: bool, forwards: list | None = None):
+def open_session(adapter_dir, reuse: bool, forwards: list | None = None, buckets: tuple[int, ...] = ()):
     model = build_random(ARGS, "cpu", torch.float32, seed=0)
-    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16, reuse_text_kv=reuse),
-                    LoRAAdapter.load(model, adapter_dir))
+    config = RuntimeConfig.for_preset("tiny", max_text_tokens=16, reuse_text_kv=reuse, text_buckets=buckets)
+    rt = DiTRuntime(model, config, LoRAAdapter.load(model, adapter_dir))
     if forwards is not None:  # (text rows in the layout, text keys the media attend to) of every streaming forward
         def hook(module, args, kwargs):
             attention = args[4]
@@ -42,8 +45,8 @@ def open_session(adapter_dir, reuse: bool, forwards: list | None = None):
     return rt.open_session(SessionConfig(seed=5, width=96, height=64), prompt(1, "first", tokens=6))
 
 
-def run(adapter_dir, reuse: bool, forwards: list | None = None):
-    session = open_session(adapter_dir, reuse, forwards)
+def run(adapter_dir, reuse: bool, forwards: list | None = None, buckets: tuple[int, ...] = ()):
+    session = open_session(adapter_dir, reuse, forwards, buckets)
     outs = [session.next_phase()]
     session.submit_prompt(prompt(2, "second", tokens=9))  # takes effect at request 1
     outs += [session.next_phase() for _ in range(PHASES - 1)]
@@ -70,6 +73,41 @@ def test_text_rows_run_once_per_request_and_timestep(adapter_dir):
     assert len(forwards) == PHASES * 3 + PHASES - 1
     keys = [k for _, k in forwards]
     assert keys[:16] == [6] * 16 and keys[16:] == [9] * (len(forwards) - 16)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_text_padded_to_a_bucket_gives_what_the_exact_rows_give(adapter_dir, reuse):
+    forwards = []
+    exact, padded = run(adapter_dir, reuse), run(adapter_dir, reuse, forwards, buckets=(8, 12, 64))
+    for a, b in zip(exact, padded):
+        torch.testing.assert_close(a.video, b.video, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.audio, b.audio)
+    # request 0's 6 tokens go to the bucket of 8 and request 1's 9 to the bucket of 12; the forwards see (and, with
+    # reuse, record) only the real rows as keys
+    with_text = [f for f in forwards if f[0]]
+    assert with_text and all(f in ((8, 6), (12, 9)) for f in with_text)
+    assert (12, 9) in with_text
+
+
+def test_a_bucket_record_holds_what_the_real_rows_record(adapter_dir):
+    records = []
+    for buckets in ((), (64,)):
+        session = open_session(adapter_dir, reuse=True, buckets=buckets)
+        session.next_phase()
+        records.append(session._request.text_kv)
+        session.close()
+    exact, padded = records
+    assert len(padded) == 3 and {kv.shape[2] for kv in padded.values()} == {6}
+    # the text rows' own attention sees the real rows only: a pad key moves the second layer's K/V by ~1e-4 here
+    for t, kv in exact.items():
+        torch.testing.assert_close(padded[t], kv, rtol=0, atol=1e-5)
+
+
+def test_text_buckets_must_hold_the_longest_prompt():
+    with pytest.raises(ValueError, match="the largest must hold a prompt of max_text_tokens=16 rows"):
+        RuntimeConfig.for_preset("tiny", max_text_tokens=16, text_buckets=(8, 12))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        RuntimeConfig.for_preset("tiny", max_text_tokens=16, text_buckets=(16, 8))
 
 
 def test_only_the_commit_timestep_outlives_the_last_phase(adapter_dir):
@@ -124,3 +162,12 @@ def test_recorded_text_kv_and_text_rows_do_not_mix():
     with pytest.raises(ValueError, match="record=True needs text rows"):
         StreamingAttention(layout(0), cache, record=True)
     assert StreamingAttention(layout(0), cache, text_kv=kv).text_keys == 3
+
+
+def test_padded_text_counts_its_real_rows_first():
+    cache = CleanAVKVCache(2, 64, local_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    padded = replace(layout(4), text_valid=torch.tensor([True, True, False, False]))
+    assert StreamingAttention(padded, cache, record=True).text_keys == 2
+    holes = replace(layout(4), text_valid=torch.tensor([True, False, True, False]))
+    with pytest.raises(ValueError, match="real rows first"):
+        StreamingAttention(holes, cache)
