@@ -77,11 +77,13 @@ class FlopCounter:
         """Forward pre-hook: count an eagerly run forward (a replayed CUDA graph calls no hook)."""
         layout = kwargs.get("layout", args[3] if len(args) > 3 else None)
         attention = kwargs.get("attention", args[4] if len(args) > 4 else None)
-        if layout.text_valid is not None:
+        full = isinstance(attention, FullAttention)
+        if layout.text_valid is not None and full:
             return  # a bucket-padded teacher step: `add_teacher` counts its real rows
+        text = getattr(attention, "text_real", layout.text_len)  # a student's text padded to a bucket: its real rows
         cache = getattr(attention, "cache", None)
-        self.add(layout.text_len, layout.num_real, cache.live if cache is not None else 0,
-                 isinstance(attention, FullAttention), getattr(attention, "text_keys", layout.text_len))
+        self.add(text, layout.num_real - (layout.text_len - text), cache.live if cache is not None else 0, full,
+                 getattr(attention, "text_keys", text))
 
     def add(self, tt: int, real: int, history: int, full: bool, text_keys: int | None = None) -> None:
         """Count one forward of `real` rows, `tt` of them text, over `history` cached rows; the media rows attend
