@@ -10,7 +10,8 @@ VAE the GPUs are the limit in every phase (§4.6), and the graphs take the dispa
 
 `capture(rows, slots)` records the graphs of one shape at start-up: `rows` packed rows on this rank (after the
 sequence split) and `slots` timesteps in the AdaLN tables, for a sequence shard of `degree` ranks. Every piece reads
-and writes one set of static buffers per shape (`_Buffers`); a piece writes its q, k, v straight into the layout the
+and writes one set of static buffers per shape (`_Buffers`; the shapes of one row count share all but the AdaLN
+tables, as forwards replay one at a time); a piece writes its q, k, v straight into the layout the
 attention takes them in (under Ulysses, the all-to-all's send buffer), and the attention writes its output into the
 next piece's input. All pieces share one memory pool for their temporaries: they replay one after another. A forward
 of another shape, or with the LoRA suspended (the teacher), or under another shard degree, or during a graph
@@ -19,7 +20,7 @@ capture, runs eagerly. Knows nothing about sessions, KV caches, text rows or the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -69,13 +70,17 @@ class BlockGraphs:
         c, h, d = args.hidden_size, args.num_heads, args.head_dim
         g = self.degree
         with torch.inference_mode(False):  # plain tensors: copied into from inside inference mode and outside it
-            b = _Buffers(x=torch.zeros(rows, c, device=dev, dtype=dt),
-                         tables=torch.zeros(args.num_layers, 3 * slots, 6, c, device=dev, dtype=dt),
-                         rows=torch.zeros(rows, dtype=torch.int64, device=dev),
-                         cos=torch.ones(rows, args.rope_dims, device=dev, dtype=dt),
-                         sin=torch.zeros(rows, args.rope_dims, device=dev, dtype=dt),
-                         send=torch.zeros(g, rows, 3, h // g, d, device=dev, dtype=dt),
-                         attn=torch.zeros(rows, h, d, device=dev, dtype=dt))
+            tables = torch.zeros(args.num_layers, 3 * slots, 6, c, device=dev, dtype=dt)
+            same_rows = next((b for (r, _), b in self._buffers.items() if r == rows), None)
+            if same_rows is not None:  # forwards replay one at a time: shapes of one row count share the rest
+                b = replace(same_rows, tables=tables)
+            else:
+                b = _Buffers(x=torch.zeros(rows, c, device=dev, dtype=dt), tables=tables,
+                             rows=torch.zeros(rows, dtype=torch.int64, device=dev),
+                             cos=torch.ones(rows, args.rope_dims, device=dev, dtype=dt),
+                             sin=torch.zeros(rows, args.rope_dims, device=dev, dtype=dt),
+                             send=torch.zeros(g, rows, 3, h // g, d, device=dev, dtype=dt),
+                             attn=torch.zeros(rows, h, d, device=dev, dtype=dt))
         for i in range(args.num_layers + 1):
             self.bank.capture(self._key(rows, slots, i), lambda i=i: self._piece(b, i), [])
         self._buffers[(rows, slots)] = b

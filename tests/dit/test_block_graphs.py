@@ -88,6 +88,18 @@ def test_only_a_captured_shape_replays_and_shapes_are_captured_once():
 
 
 @pytest.mark.cpu
+def test_shapes_of_one_row_count_share_their_buffers_but_the_tables():
+    model, adapter = model_and_adapter("cpu", torch.float32)
+    graphs = BlockGraphs(model, adapter, torch.device("cpu"), 1)
+    for rows, slots in ((128, 1), (128, 2), (192, 1)):
+        graphs.capture(rows, slots)
+    one, two, other = (graphs._buffers[k] for k in ((128, 1), (128, 2), (192, 1)))
+    assert one.x is two.x and one.send is two.send and one.attn is two.attn and one.rows is two.rows
+    assert one.tables.shape[1] == 3 and two.tables.shape[1] == 6
+    assert other.x is not one.x
+
+
+@pytest.mark.cpu
 def test_a_session_replays_every_text_free_forward():
     canvas = Canvas(96, 64)
     runs = []
