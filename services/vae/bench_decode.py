@@ -14,6 +14,7 @@ Timings are the median of `--repeats` runs after `--warmup` runs (CUDA events on
 
     python -m services.vae.bench_decode --preset full --device cuda --height 480 --width 864
     python -m services.vae.bench_decode --preset tiny --device cpu --height 192 --width 320   # smoke test
+    python -m services.vae.bench_decode --tile-overlap 32 --compile --vit-tiles 4 8   # host vs device of one ViT call
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Callable
 
 import torch
 from diffusers import AutoencoderKLMiniMaxH3
+from diffusers.models.modeling_utils import get_parameter_dtype
 
 from services.vae.incremental import IncrementalVideoDecoder
 from services.vae.model import _IMAGENET_MEAN, _IMAGENET_STD, VideoDecoder, build_video_vae
@@ -106,12 +108,45 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     return statistics.median(samples), peak
 
 
+def time_vit_tiles(decoder: VideoDecoder, tiles: int, height: int, width: int, repeats: int) -> str:
+    """One ViT call on `tiles` tiles of one 7-latent clip (a share of a clip's tiles, as `_decode_share` runs it):
+    the median host time to return against the device time, so a decode bound by the host shows."""
+    vae, device = decoder.vae, decoder.device
+    _, tile_h, _, _, tile_w, _ = decoder.tile_grid(height, width)
+    ratio = decoder.spatial_ratio
+    shape = (tiles, vae.config.latent_channels, vae.tokens_chunk_size + vae.token_overlap, tile_h // ratio,
+             tile_w // ratio)  # [N, C, 7, th, tw]
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    z = z.to(device, get_parameter_dtype(vae.post_quant_conv))
+    host, dev = [], []
+    with torch.inference_mode():
+        for i in range(repeats + 2):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            vae.decoder(vae.post_quant_conv(z))
+            returned = time.perf_counter() - t0
+            if device.type == "cuda":
+                end.record()
+                end.synchronize()
+            if i >= 2:  # after two warm-ups
+                host.append(returned * 1e3)
+                dev.append(start.elapsed_time(end) if device.type == "cuda" else returned * 1e3)
+    return (f"ViT on {tiles} tiles [{', '.join(map(str, shape))}]: host {statistics.median(host):.1f} ms to return, "
+            f"device {statistics.median(dev):.1f} ms (median of {repeats})")
+
+
 def run(opts: argparse.Namespace) -> list[str]:
     """Run the benchmark and return the report lines."""
     device = torch.device(opts.device)
     dtype = _DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     vae = build_random_vae(opts.preset, device, dtype, opts.seed)
-    decoder = VideoDecoder(vae, max_batch=opts.max_batch, tile_overlap=opts.tile_overlap)
+    decoder = VideoDecoder(vae, max_batch=opts.max_batch, tile_overlap=opts.tile_overlap,
+                           compile_blocks=opts.compile and bool(opts.vit_tiles))
+    if opts.vit_tiles:
+        return [time_vit_tiles(decoder, n, opts.height, opts.width, opts.repeats) for n in opts.vit_tiles]
     ratio = decoder.spatial_ratio
     if opts.height % ratio or opts.width % ratio:
         raise ValueError(f"--height/--width must be multiples of {ratio}, got {opts.height}x{opts.width}")
@@ -183,6 +218,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time the new path with the ViT blocks torch.compile'd (diffusers' "
                              "compile_repeated_blocks)")
+    parser.add_argument("--vit-tiles", type=int, nargs="+", default=[],
+                        help="instead: time one ViT call on each of these tile counts of a clip, host against device "
+                             "(with --compile, the blocks compiled first)")
     opts = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for line in run(opts):
