@@ -28,7 +28,7 @@ def vae_worker(opts, inbox, outbox) -> None:
     new session, None to stop. Out: "ready" once built, then per phase a dict of stage seconds summed over its chunks
     (`hand_over`: from the put to the decode's start, the latents on the device), the monotonic time its last chunk
     was muxed, and `first_chunk`: the video decode, mux and muxed time of its first chunk (a session's first phase
-    comes as two chunks, its first clip apart).
+    comes as three chunks: its first 5 frames, the rest of its first clip, the rest).
     """
     device = torch.device(opts.devices.split(",")[-1])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

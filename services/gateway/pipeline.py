@@ -165,8 +165,8 @@ class MediaChunk:
     """`trailer` carries only the muxer's closing bytes (no frames)."""
 
     phase_continues: bool = False
-    """More chunks of this phase follow (a session's first phase goes out as its first clip, then the rest); its
-    event ids ride on the phase's first chunk."""
+    """More chunks of this phase follow (a session's first phase goes out as its first 5 frames, the rest of its
+    first clip, then the rest); its event ids ride on the phase's first chunk."""
 
     def __post_init__(self) -> None:
         if not self.data:

@@ -13,9 +13,9 @@ Server -> client: video.start, video.chunk_metadata (+ exactly one binary fMP4 f
   session.interaction.queued, session.queued, session.pong, session.done, error.
 Additive to vLLM-Omni: `session.queued{position}`, `error.code` on every error, and the chunk
 metadata fields `request_index`, `phase_index`, `timings`. A chunk is one phase of generation, except a session's
-first phase, which goes out as two chunks (its first 17 frames as soon as they are decoded, then the rest): both
-carry that phase's `generation_chunk_index` and indexes, while `transport_chunk_index` counts every binary frame;
-the phase's started/completed event ids ride on its first chunk. As in vLLM-Omni,
+first phase, which goes out as three chunks (its first 5 frames as soon as its first clip is decoded, that clip's
+other 12, then the rest): all carry that phase's `generation_chunk_index` and indexes, while
+`transport_chunk_index` counts every binary frame; the phase's started/completed event ids ride on its first chunk. As in vLLM-Omni,
 `extra_params.pace_to_media_time` (+ `pacing_lead_seconds`, `pacing_max_lag_seconds`) makes the
 gateway send each chunk no earlier than its media time; `extra_params.hold_for_prompt`
 (+ `hold_max_seconds`, `hold_fallback_prompt`) is passed to the backend as `HoldSettings`.

@@ -29,6 +29,11 @@ from services.vae.mux import EncodedTrack, FragmentedMP4Muxer
 
 log = logging.getLogger(__name__)
 
+FIRST_FRAGMENT_FRAMES = 5
+"""Frames of a stream's first fragment: its first two latents' (1 + 4). The first clip's other frames follow in a
+fragment of their own, so the first picture waits for the H.264 of 5 frames, not of the clip's 17 (an IDR frame
+more per session)."""
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -40,7 +45,8 @@ class Chunk:
     audio_decode_seconds: float
     mux_seconds: float
     phase_continues: bool = False
-    """More chunks of the same phase follow: a stream's first phase goes out as its first clip, then the rest."""
+    """More chunks of the same phase follow: a stream's first phase goes out as its first 5 frames, the rest of its
+    first clip, then the rest."""
 
 
 class DecodeSession:
@@ -62,8 +68,9 @@ class DecodeSession:
 
     def phase(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> Iterator[Chunk]:
         """Decode one phase ([F, 24, h, w] video, [2, A, 32] audio latents) and mux it; yield its chunks as each is
-        ready: one fMP4 fragment, or two for a stream's first phase of two or more clips (its first clip, then the
-        rest; `IncrementalVideoDecoder.part_frames`), so a session's first chunk waits for one clip's decode.
+        ready: one fMP4 fragment, or, for a stream's first phase, its first `FIRST_FRAGMENT_FRAMES` frames, the rest
+        of its first clip, then the rest (`IncrementalVideoDecoder.part_frames`), so a session's first chunk waits
+        for one clip's decode and five frames' H.264.
 
         The latents are checked before the first chunk (InvalidInput); a caller that stops early must `close()` the
         generator, which lets the audio thread finish and frees the shared decoders for other sessions.
@@ -82,38 +89,44 @@ class DecodeSession:
             self.audio.decoder.validate(audio_latents)
         except InvalidLatents as exc:
             raise InvalidInput(str(exc)) from None
-        return self._chunks(video_latents, audio_latents, parts)
+        fragments = [[n] for n in parts]  # frames of each fragment, per decoded part
+        if self.mux.frames_encoded == 0 and parts[0] > FIRST_FRAGMENT_FRAMES:
+            fragments[0] = [FIRST_FRAGMENT_FRAMES, parts[0] - FIRST_FRAGMENT_FRAMES]
+        return self._chunks(video_latents, audio_latents, fragments)
 
-    def _chunks(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, parts: list[int]
+    def _chunks(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, fragments: list[list[int]]
                 ) -> Iterator[Chunk]:
+        sizes = [n for part in fragments for n in part]
         with self._lock:  # one phase at a time on the shared devices and the muxer
             ready = None
             if self.audio.decoder.stream is not None:  # the latents' copies are queued on this thread's stream
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.audio.decoder.device))
-            audio = self._audio_worker.submit(self._decode_audio, audio_latents, ready, parts)
+            audio = self._audio_worker.submit(self._decode_audio, audio_latents, ready, sizes)
             try:
-                t0 = time.perf_counter()
+                k, t0 = 0, time.perf_counter()
                 for i, frames in enumerate(self.video.decode_parts_for_mux(video_latents)):
                     video_seconds = time.perf_counter() - t0  # uint8 I420 planes (GPU) or RGB (CPU)
-                    encoded = self.mux.encode_video(frames.numpy())
-                    audio_seconds, tracks = audio.result()
-                    samples, track = tracks[i]
-                    data = self.mux.emit(encoded, track)
-                    yield Chunk(data=data, num_frames=frames.shape[0], num_audio_samples=samples,
-                                video_decode_seconds=video_seconds,
-                                audio_decode_seconds=audio_seconds if i == 0 else 0.0,
-                                mux_seconds=time.perf_counter() - t0 - video_seconds,
-                                phase_continues=i < len(parts) - 1)
-                    t0 = time.perf_counter()
+                    start = 0
+                    for n in fragments[i]:
+                        encoded = self.mux.encode_video(frames[start:start + n].numpy())
+                        audio_seconds, tracks = audio.result()
+                        samples, track = tracks[k]
+                        data = self.mux.emit(encoded, track)
+                        yield Chunk(data=data, num_frames=n, num_audio_samples=samples,
+                                    video_decode_seconds=video_seconds,
+                                    audio_decode_seconds=audio_seconds if k == 0 else 0.0,
+                                    mux_seconds=time.perf_counter() - t0 - video_seconds,
+                                    phase_continues=k < len(sizes) - 1)
+                        k, start, t0, video_seconds = k + 1, start + n, time.perf_counter(), 0.0
             finally:
                 wait([audio])  # the audio never outlives the lock
 
     def _decode_audio(self, latents: torch.Tensor, ready: "torch.cuda.Event | None", parts: list[int]
                       ) -> tuple[float, list[tuple[int, EncodedTrack]]]:
-        """Worker thread: the decode's seconds and, for each part of the phase (cut at the parts' video frame
-        boundaries), its samples per channel and their AAC. On a GPU the decode runs on the audio decoder's own
-        stream, after `ready`."""
+        """Worker thread: the decode's seconds and, for each fragment of the phase (`parts`: their frames; cut at
+        their video frame boundaries), its samples per channel and their AAC. On a GPU the decode runs on the audio
+        decoder's own stream, after `ready`."""
         started = time.perf_counter()
         with on_device(self.audio.decoder.device), self.audio.decoder.own_stream(ready):
             samples = self.audio.decode(latents).numpy()  # [2, S]

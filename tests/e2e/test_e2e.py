@@ -34,9 +34,10 @@ FPS = 24
 SAMPLE_RATE = 32000
 AAC_FRAME_SAMPLES = 1024
 AUDIO_LATENT_HOP = 800  # samples per audio latent step: per-chunk audio counts are multiples of it
-# frames per chunk: 124 + 119, the session's first phase (39 frames) in two chunks, its first clip apart
-FIRST_TWO_REQUESTS = [17, 22, 34, 34, 17, 34, 34, 34, 17]
-FIRST_TWO_PHASES = [(0, 0), (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
+# frames per chunk: 124 + 119, the session's first phase (39 frames) in three chunks: its first 5 frames, the rest of
+# its first clip, the rest
+FIRST_TWO_REQUESTS = [5, 12, 22, 34, 34, 17, 34, 34, 34, 17]
+FIRST_TWO_PHASES = [(0, 0), (0, 0), (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
 DIT_ONLY_CANVAS = (320, 224)  # the gateway allows it in this profile, the DiT's short edges (192, 256) do not
 SESSION_TIMEOUT_S = 150.0
 
@@ -184,18 +185,18 @@ LATE_UPDATE_ID = "e2e-update-2"
 
 @pytest.fixture(scope="module")
 def main_session(system: System) -> RawSession:
-    """Two requests and the first chunk of a third (10 chunks: the first phase comes as two): a prompt update sent
-    right after video.start, i.e. during request 0; a second update right after the 5th chunk (the last of request
-    0); a ping during request 1; session.stop after the 10th chunk.
+    """Two requests and the first chunk of a third (11 chunks: the first phase comes as three): a prompt update sent
+    right after video.start, i.e. during request 0; a second update right after the 6th chunk (the last of request
+    0); a ping during request 1; session.stop after the 11th chunk.
 
     The first update goes out before the first chunk because the gateway forwards it as soon as the DiT session
     has started, long before the DiT finishes request 0. The second one reaches the DiT while it works on
     request 1 at the latest: flow control keeps it at most `dit.max_phases_ahead` (2) phases ahead of the
-    chunks the gateway has received, so it lands at request 2 (chunk 9), not later."""
+    chunks the gateway has received, so it lands at request 2 (chunk 10), not later."""
     async def ping_and_update(ws, index: int) -> None:
-        if index == 4:
+        if index == 5:
             await ws.send_str(json.dumps(late_update))
-        if index == 6:
+        if index == 7:
             await ws.send_str(json.dumps({"type": "session.ping"}))
 
     start = {"type": "session.start", "prompt": "a lake at dawn", "seed": 7, "width": 320, "height": 192,
@@ -204,7 +205,7 @@ def main_session(system: System) -> RawSession:
               "interaction": {"event_id": UPDATE_ID, "event": {"prompt": "a storm rolls in over the lake"}}}
     late_update = {"type": "session.interaction",
                    "interaction": {"event_id": LATE_UPDATE_ID, "event": {"prompt": "the lake freezes over"}}}
-    return asyncio.run(_raw_session(system.ws_url, start, on_video_start=[update], stop_after=10,
+    return asyncio.run(_raw_session(system.ws_url, start, on_video_start=[update], stop_after=11,
                                     on_chunk=ping_and_update))
 
 
@@ -219,11 +220,11 @@ def test_stream_decodes_to_the_announced_frames_samples_and_duration(main_sessio
     trailer = main_session.metas[-1]
     assert trailer["num_frames"] == 0 and trailer["num_audio_samples"] == 0 and trailer["byte_length"] > 0
     metas = _media(main_session)
-    assert len(metas) >= 10
-    assert [m["num_frames"] for m in metas[:9]] == FIRST_TWO_REQUESTS
-    assert [(m["request_index"], m["phase_index"]) for m in metas[:9]] == FIRST_TWO_PHASES
+    assert len(metas) >= 11
+    assert [m["num_frames"] for m in metas[:10]] == FIRST_TWO_REQUESTS
+    assert [(m["request_index"], m["phase_index"]) for m in metas[:10]] == FIRST_TWO_PHASES
     assert [m["transport_chunk_index"] for m in metas] == list(range(len(metas)))
-    assert [m["generation_chunk_index"] for m in metas[:9]] == [0, 0, 1, 2, 3, 4, 5, 6, 7]  # one per phase
+    assert [m["generation_chunk_index"] for m in metas[:10]] == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7]  # one per phase
     assert all(m["audio_sample_rate"] == SAMPLE_RATE for m in metas)
     frames = sum(m["num_frames"] for m in metas)
     fed = sum(m["num_audio_samples"] for m in metas)
@@ -251,31 +252,31 @@ def test_prompt_update_is_acked_and_applied_at_the_next_request(main_session):
     assert [a["event_id"] for a in acks] == [UPDATE_ID, LATE_UPDATE_ID]
     assert not main_session.of_type("error")
     ack_at = texts.index(acks[0])
-    first_of_request_1 = metas[5]
+    first_of_request_1 = metas[6]
     assert (first_of_request_1["request_index"], first_of_request_1["phase_index"]) == (1, 0)
     assert texts.index(first_of_request_1) > ack_at  # acknowledged before it took effect
-    for m in metas[:5]:
+    for m in metas[:6]:
         # the first prompt has no event id: no list holds an empty one
         assert m["started_event_ids"] == m["active_event_ids"] == m["completed_event_ids"] == []
     assert UPDATE_ID in first_of_request_1["completed_event_ids"]
     assert UPDATE_ID in first_of_request_1["started_event_ids"]
-    for m in metas[5:9]:
+    for m in metas[6:10]:
         assert m["active_event_ids"] == [UPDATE_ID]
-    for m in metas[6:]:
+    for m in metas[7:]:
         assert UPDATE_ID not in m["completed_event_ids"]  # completed once, at its boundary
 
 
-def test_update_sent_after_chunk_5_is_applied_at_chunk_9(main_session):
+def test_update_sent_after_chunk_6_is_applied_at_chunk_10(main_session):
     """Flow control: the DiT runs at most two phases ahead of the chunks the gateway received, so an update
     sent after the last chunk of request 0 lands at the first chunk of request 2, not a request later."""
     texts, metas = main_session.texts, _media(main_session)
     ack = next(m for m in texts if m.get("event_id") == LATE_UPDATE_ID)
     assert ack["type"] == "session.interaction.queued"
-    assert texts.index(ack) > texts.index(metas[4])
+    assert texts.index(ack) > texts.index(metas[5])
     applied = [i for i, m in enumerate(metas) if LATE_UPDATE_ID in m["completed_event_ids"]]
-    assert applied == [9]
-    assert (metas[9]["request_index"], metas[9]["phase_index"]) == (2, 0)
-    assert metas[9]["active_event_ids"] == [LATE_UPDATE_ID]
+    assert applied == [10]
+    assert (metas[10]["request_index"], metas[10]["phase_index"]) == (2, 0)
+    assert metas[10]["active_event_ids"] == [LATE_UPDATE_ID]
 
 
 def test_stop_ends_with_session_done_stopped(main_session):
@@ -314,7 +315,7 @@ def test_client_disconnect_frees_the_dit_session(system):
     result = asyncio.run(stream(ClientOptions(url=system.ws_url, prompt="a second kite", seconds=1.0,
                                               width=320, height=192)))
     assert result.done["stopped"] is True and result.errors == []
-    assert len(result.chunks) >= 1 and result.chunks[0].num_frames == 17
+    assert len(result.chunks) >= 1 and result.chunks[0].num_frames == 5  # a session's first fragment
 
 
 def test_second_client_waits_in_the_queue_then_runs(system):
@@ -342,7 +343,7 @@ def test_second_client_waits_in_the_queue_then_runs(system):
     assert a.queue_positions == [] and len(a.chunks) >= 2 and a.done["stopped"] is True
     assert b.queue_positions[:1] == [1]
     assert b.errors == [] and b.done["stopped"] is True
-    assert len(b.chunks) >= 1 and b.chunks[0].num_frames == 17
+    assert len(b.chunks) >= 1 and b.chunks[0].num_frames == 5
     assert b_started + b.time_to_first_chunk_s > ended["first"]  # it ran only after the first ended
     _wait_idle(system)
 

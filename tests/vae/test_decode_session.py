@@ -52,16 +52,21 @@ def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker)
                              codec_options={"preset": "ultrafast"})
     phases = latents(1)
     (v0, a0), rest = phases[0], phases[1:]
-    # the stream's first phase goes out as its first clip (17 frames, the audio up to their end), then the rest
+    # the stream's first phase goes out as its first 5 frames, the other 12 of its first clip, then the rest, each
+    # with the audio up to its last frame
     head, tail = vdec.decode_parts_for_mux(v0)
-    samples, cut = adec.decode(a0).numpy(), 17 * AUDIO_SAMPLE_RATE // VIDEO_FPS
-    want = [mux.encode(head.numpy(), samples[:, :cut]), mux.encode(tail.numpy(), samples[:, cut:])]
+    samples = adec.decode(a0).numpy()
+    cut5, cut17 = 5 * AUDIO_SAMPLE_RATE // VIDEO_FPS, 17 * AUDIO_SAMPLE_RATE // VIDEO_FPS
+    want = [mux.encode(head[:5].numpy(), samples[:, :cut5]), mux.encode(head[5:].numpy(), samples[:, cut5:cut17]),
+            mux.encode(tail.numpy(), samples[:, cut17:])]
     want += [mux.encode(vdec.decode(v).numpy(), adec.decode(a).numpy()) for v, a in rest] + [mux.close()]
     stream = session(decoders, worker)
     chunks = [c for v, a in phases for c in stream.phase(v, a)]
     assert [c.data for c in chunks] + [stream.close().data] == want
     assert [(c.num_frames, c.num_audio_samples, c.phase_continues) for c in chunks] == [
-        (17, cut, True), (22, 65 * 800 - cut, False), (34, 57 * 800, False), (17, 29 * 800, False)]
+        (5, cut5, True), (12, cut17 - cut5, True), (22, 65 * 800 - cut17, False), (34, 57 * 800, False),
+        (17, 29 * 800, False)]
+    assert [c.video_decode_seconds > 0 for c in chunks[:3]] == [True, False, True]  # the decode is the part's
 
 
 def test_the_first_chunk_goes_out_before_the_rest_of_the_first_phase_is_decoded(decoders, worker, monkeypatch):
@@ -77,6 +82,8 @@ def test_the_first_chunk_goes_out_before_the_rest_of_the_first_phase_is_decoded(
     chunks = stream.phase(*latents(2)[0])
     first = next(chunks)
     assert decoded == [17] and first.phase_continues and first.data.startswith(b"\x00\x00\x00")
+    assert first.num_frames == 5
+    assert next(chunks).num_frames == 12 and decoded == [17]  # the rest of the first clip, before the next decode
     assert [c.num_frames for c in chunks] == [22] and decoded == [17, 22]
 
 
