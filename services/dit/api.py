@@ -59,7 +59,7 @@ class RuntimeConfig:
     text_buckets: tuple[int, ...] = ()
     """Prompt lengths a forward's text rows are padded up to (the smallest that holds the prompt), the padding
     masked out as keys: the forwards that run the text rows then take a few fixed shapes, which the block graphs
-    are captured for (`text_block_shapes`). Empty: the prompt's exact rows."""
+    are captured for (`block_graph_shapes`). Empty: the prompt's exact rows."""
 
     def __post_init__(self) -> None:
         if not self.canvases or any(not isinstance(c, int) or c <= 0 or c % 32 for c in self.canvases):

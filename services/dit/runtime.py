@@ -54,17 +54,18 @@ def text_free_block_shapes(canvases: Sequence[Canvas], ulysses_degree: int) -> l
 
     The students of phases 1-3 of every request and the commits of phases 1-3 (run at the start of the next phase):
     phase 0's students and its commit are the request's first forwards at their text timesteps, which run the text
-    (`text_block_shapes`). These are shapes `BlockGraphs` captures.
+    (`block_graph_shapes` adds them).
     """
     return _block_shapes(canvases, ulysses_degree, phases=slice(1, None), text_rows=(0,))
 
 
-def text_block_shapes(canvases: Sequence[Canvas], ulysses_degree: int, text_buckets: Sequence[int]
-                      ) -> list[tuple[int, int]]:
-    """(rows per rank, timestep slots) of the forwards that run a request's text rows (`reuse_text_kv`), the text
-    padded to one of `text_buckets` (`RuntimeConfig.text_buckets`): phase 0's students and its commit (run at the
-    start of phase 1). These are shapes `BlockGraphs` captures."""
-    return _block_shapes(canvases, ulysses_degree, phases=slice(0, 1), text_rows=tuple(text_buckets))
+def block_graph_shapes(canvases: Sequence[Canvas], ulysses_degree: int, text_buckets: Sequence[int]
+                       ) -> list[tuple[int, int]]:
+    """(rows per rank, timestep slots) of every student and commit forward of a session whose text rows are padded
+    to `text_buckets` (`RuntimeConfig.text_buckets`): the text-free ones, and phase 0's students and its commit
+    (run at the start of phase 1), which run the request's text rows. The shapes `BlockGraphs` captures."""
+    with_text = _block_shapes(canvases, ulysses_degree, phases=slice(0, 1), text_rows=tuple(text_buckets))
+    return sorted(set(text_free_block_shapes(canvases, ulysses_degree)) | set(with_text))
 
 
 def _block_shapes(canvases: Sequence[Canvas], ulysses_degree: int, phases: slice, text_rows: Sequence[int]

@@ -24,7 +24,7 @@ from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_sdpa_kernels
-from services.dit.runtime import DiTRuntime, text_block_shapes, text_free_block_shapes
+from services.dit.runtime import DiTRuntime, block_graph_shapes
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig
 
@@ -83,10 +83,7 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     if block_graphs:  # no collective inside: captured right away
         started = time.perf_counter()
         graphs = BlockGraphs(model, adapter, device, cfg.usp_degree)
-        canvases = profile_canvases(profile)
-        shapes = set(text_free_block_shapes(canvases, cfg.usp_degree))
-        shapes |= set(text_block_shapes(canvases, cfg.usp_degree, cfg.prompt_buckets))
-        for rows, slots in sorted(shapes):
+        for rows, slots in block_graph_shapes(profile_canvases(profile), cfg.usp_degree, cfg.prompt_buckets):
             graphs.capture(rows, slots)
         graphs.seal()
         model.block_graphs = graphs

@@ -11,7 +11,7 @@ from services.dit.geometry import Canvas
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, FullAttention, build_random
-from services.dit.runtime import DiTRuntime, text_block_shapes, text_free_block_shapes
+from services.dit.runtime import DiTRuntime, block_graph_shapes, text_free_block_shapes
 
 ARGS = PRESETS["tiny"]
 PIECES = ARGS.num_layers + 1
@@ -139,8 +139,7 @@ def test_with_text_buckets_a_session_replays_every_forward():
         graphs = None
         if with_graphs:
             graphs = BlockGraphs(model, adapter, torch.device("cpu"), 1)
-            shapes = set(text_free_block_shapes([canvas], 1)) | set(text_block_shapes([canvas], 1, buckets))
-            for rows, slots in sorted(shapes):
+            for rows, slots in block_graph_shapes([canvas], 1, buckets):
                 graphs.capture(rows, slots)
             graphs.seal()
             model.block_graphs = graphs
@@ -157,7 +156,7 @@ def test_with_text_buckets_a_session_replays_every_forward():
     for a, b in zip(*runs):
         assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
     # the 8 forwards with text rows have the bucket's 64 (7 real), which puts request 0's phase 0 on 320 rows
-    # instead of the exact rows' 256: a shape only `text_block_shapes` holds
+    # instead of the exact rows' 256: a shape only the text rows' padded forwards have
     assert sorted(set(counts[1])) == [0, 64] and counts[1].count(64) == 8
     assert (320, 2) in graphs.shapes and (320, 2) not in text_free_block_shapes([canvas], 1)
     assert graphs.bank.stats.replays == len(counts[1]) * PIECES and graphs.bank.stats.misses == 0

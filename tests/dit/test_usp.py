@@ -22,7 +22,7 @@ from services.dit.group import DiTGroup, GroupFailed
 from services.dit.launch import GroupOptions, free_port, rank_device_env
 from services.dit.layout import pack_layout
 from services.dit.model import PRESETS, DiT, FullAttention, build_random, pack_head_groups
-from services.dit.runtime import DiTRuntime, text_block_shapes, text_free_block_shapes
+from services.dit.runtime import DiTRuntime, block_graph_shapes
 from services.dit.sp import UlyssesAttend, heads_to_rows, install_ulysses, out_to_rows
 
 ARGS = PRESETS["tiny"]  # 4 heads: N = 2 and N = 4 both divide
@@ -42,9 +42,7 @@ def build_tiny(profile: Profile, device: torch.device) -> DiTRuntime:
     runtime.teacher.overlap = profile.dit.teacher_overlap
     if degree > 1:  # the group's forwards through the block pieces (eager on the CPU)
         model.block_graphs = BlockGraphs(model, None, device, degree)
-        canvas = Canvas(*CANVAS)
-        for rows, slots in sorted(set(text_free_block_shapes([canvas], degree))
-                                  | set(text_block_shapes([canvas], degree, buckets))):
+        for rows, slots in block_graph_shapes([Canvas(*CANVAS)], degree, buckets):
             model.block_graphs.capture(rows, slots)
     return runtime
 
