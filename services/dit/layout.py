@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from services.common.cuda_graphs import PromptBuckets
+
 TAG_VIDEO = 0
 TAG_TEXT = 1
 TAG_AUDIO = 2
@@ -126,6 +128,16 @@ class PackedLayout:
             timesteps=self.timesteps.to(device),
             text_valid=None if self.text_valid is None else self.text_valid.to(device),
         )
+
+
+def pad_prompt(buckets: PromptBuckets, text: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt's rows padded at the end to their bucket: text `[B, text_dim]` and positions `[B, 3]` with zero rows,
+    and the `text_valid` mask `[B]` (True on the real rows) on `positions`' device."""
+    # text: [L, text_dim], positions: [L, 3]
+    padded, real = buckets.pad(text)
+    positions = torch.cat([positions, positions.new_zeros(padded.shape[0] - real, 3)])
+    return padded, positions, torch.arange(padded.shape[0], device=positions.device) < real
 
 
 def padded_rows(real: int) -> int:

@@ -35,7 +35,7 @@ from services.dit.attention import StreamingAttention
 from services.dit.geometry import (TEACHER_TAIL_LATENTS, Canvas, PhasePlan, RequestPlan, check_canvas, plan_request,
                                    plans_of_every_shape)
 from services.dit.kv_cache import CleanAVKVCache, kv_capacity
-from services.dit.layout import pack_layout, padded_rows
+from services.dit.layout import pack_layout, pad_prompt, padded_rows
 from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT
 from services.dit.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, euler_step, model_t
@@ -324,17 +324,16 @@ class StreamingSession:
         config = self.runtime.config
         text_kv = req.text_kv.get(text_t) if config.reuse_text_kv else None
         text = req.text if text_kv is None else req.text[:0]  # [Tt or 0, text_dim]
-        positions_text = self.timeline.text(ph.request_index, text.shape[0])  # [Tt or 0, 3]
-        real = text.shape[0]
-        if real and self.runtime.text_buckets is not None:  # [Tt, ...] -> [bucket, ...]: zero rows after the prompt
-            text, _ = self.runtime.text_buckets.pad(text)
-            positions_text = torch.cat([positions_text, positions_text.new_zeros(text.shape[0] - real, 3)])
+        positions_text = self.timeline.text(ph.request_index, text.shape[0])  # [Tt or 0, 3] on the CPU
+        text_valid = None
+        if text.shape[0] and self.runtime.text_buckets is not None:  # [Tt, ...] -> [bucket, ...]
+            text, positions_text, text_valid = pad_prompt(self.runtime.text_buckets, text, positions_text)
         layout = pack_layout(text_len=text.shape[0], audio_len_per_channel=ph.num_audio_latents,
                              video_rows=ph.num_latents * self.canvas.rows_per_frame, positions_text=positions_text,
                              positions_audio=self.timeline.audio(ph.audio_start, ph.num_audio_latents),
                              positions_video=self.timeline.video(ph), video_t=text_t, audio_t=model_t(sigma_a))
-        if text.shape[0] != real:
-            layout = replace(layout, text_valid=torch.arange(text.shape[0]) < real)
+        if text_valid is not None and not text_valid.all():  # a prompt of exactly a bucket's length is not padded
+            layout = replace(layout, text_valid=text_valid)
         attention = StreamingAttention(layout, self.kv, commit=commit, text_kv=text_kv,  # from the CPU layout
                                        record=config.reuse_text_kv and text_kv is None)
         with torch.no_grad():

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request, plans_of_every_shape
-from services.dit.layout import PackedLayout, pack_layout
+from services.dit.layout import PackedLayout, pack_layout, pad_prompt
 from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT, FullAttention
 from services.dit.schedule import TEACHER_MILESTONES, TEACHER_SIGMAS, euler_step, model_t
@@ -306,9 +306,8 @@ class AudioTeacher:
         pos_audio = timeline.audio(request.audio_start - n_tail, n_tail + noise.shape[1])
         valid = None
         if self.graphs is not None:  # pad to the bucket: [L, text_dim] -> [B, text_dim], positions [B, 3]
-            text, n = self.buckets.pad(text)
-            pos_text = torch.cat([pos_text, pos_text.new_zeros(text.shape[0] - n, 3)])
-            valid = torch.arange(text.shape[0], device=dev) < n  # [B] bool
+            text, pos_text, valid = pad_prompt(self.buckets, text, pos_text)
+            valid = valid.to(dev)  # [B] bool
         return _Document(text, valid, pos_text, pos_audio, noise.float().to(dev),
                          None if tail is None else tail.float().to(dev))
 
