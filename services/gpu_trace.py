@@ -1,4 +1,5 @@
-"""GPU kernels of a stretch of work in this process, by category, and how busy each GPU was.
+"""GPU kernels of a stretch of work in this process, by category, and how busy each GPU was; and a call's host time
+against its device time (`host_and_device_ms`).
 
 The bench's `--trace-request K` wraps one request of a session in a `KernelTrace`: where the DiT is 2.5x its floor,
 this says whether rank 0's GPU sat idle (waiting for its peer, the host or the other processes on the GPU) or was
@@ -9,9 +10,10 @@ Knows nothing about models or sessions.
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.autograd import DeviceType
@@ -22,6 +24,28 @@ CATEGORIES = (
     ("attention", re.compile(r"flash|fmha|attention|cudnn|sdpa", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|sm90|matmul|scaled_mm|cublas|xmma|nvjet", re.I)),
 )
+
+
+def host_and_device_ms(fn: Callable[[], object], device: torch.device, runs: int = 5) -> tuple[float, float]:
+    """Median (host ms for `fn()` to return, device ms between events around it) over `runs` calls after two
+    warm-ups: where they meet, the call is bound by the host's dispatch, not the GPU. Off a GPU both are the wall
+    clock."""
+    host, dev = [], []
+    for i in range(runs + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        fn()
+        returned = (time.perf_counter() - t0) * 1e3
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+        if i >= 2:
+            host.append(returned)
+            dev.append(start.elapsed_time(end) if device.type == "cuda" else returned)
+    return statistics.median(host), statistics.median(dev)
 
 
 def category(name: str) -> str:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
 
 import torch
 from torch.nn.attention import sdpa_kernel
@@ -25,27 +23,9 @@ from services.dit.bench_forward import Geometry, HistoryAttention, _phase, _time
 from services.dit.fp8 import quantize_linears
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, SDPA_ORDERS, build_random
-from services.gpu_trace import category
+from services.gpu_trace import category, host_and_device_ms
 
 log = logging.getLogger("services.dit.profile_forward")
-
-
-def host_and_device_ms(model, inputs, layout, attention, runs: int = 5) -> tuple[float, float]:
-    """Median (host ms for the forward call to return, device ms between events around it)."""
-    host, device = [], []
-    for r in range(runs + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        model(*inputs, layout, attention)
-        t1 = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize()
-        if r >= 2:
-            host.append((t1 - t0) * 1e3)
-            device.append(start.elapsed_time(end))
-    return statistics.median(host), statistics.median(device)
 
 
 def dispatch_table(model, args, dev) -> list[str]:
@@ -58,7 +38,7 @@ def dispatch_table(model, args, dev) -> list[str]:
     for name, g in shapes:
         layout, inputs = _phase(args, g, dev, seed=0)
         attention = HistoryAttention(layout, g.history_rows, args.num_heads, args.head_dim, dev, torch.bfloat16, 0)
-        host, device = host_and_device_ms(model, inputs, layout, attention)
+        host, device = host_and_device_ms(lambda: model(*inputs, layout, attention), dev)
         lines.append(f"{name:28s} {layout.seq_len:6d} {host:8.1f} {device:9.1f}")
     return lines
 

@@ -29,6 +29,7 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3
 from diffusers.models.modeling_utils import get_parameter_dtype
 
+from services.gpu_trace import host_and_device_ms
 from services.vae.incremental import IncrementalVideoDecoder
 from services.vae.model import _IMAGENET_MEAN, _IMAGENET_STD, VideoDecoder, build_video_vae
 
@@ -118,24 +119,10 @@ def time_vit_tiles(decoder: VideoDecoder, tiles: int, height: int, width: int, r
              tile_w // ratio)  # [N, C, 7, th, tw]
     z = torch.randn(shape, generator=torch.Generator().manual_seed(5))
     z = z.to(device, get_parameter_dtype(vae.post_quant_conv))
-    host, dev = [], []
     with torch.inference_mode():
-        for i in range(repeats + 2):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            vae.decoder(vae.post_quant_conv(z))
-            returned = time.perf_counter() - t0
-            if device.type == "cuda":
-                end.record()
-                end.synchronize()
-            if i >= 2:  # after two warm-ups
-                host.append(returned * 1e3)
-                dev.append(start.elapsed_time(end) if device.type == "cuda" else returned * 1e3)
-    return (f"ViT on {tiles} tiles [{', '.join(map(str, shape))}]: host {statistics.median(host):.1f} ms to return, "
-            f"device {statistics.median(dev):.1f} ms (median of {repeats})")
+        host, dev = host_and_device_ms(lambda: vae.decoder(vae.post_quant_conv(z)), device, repeats)
+    return (f"ViT on {tiles} tiles [{', '.join(map(str, shape))}]: host {host:.1f} ms to return, "
+            f"device {dev:.1f} ms (median of {repeats})")
 
 
 def run(opts: argparse.Namespace) -> list[str]:
