@@ -12,8 +12,8 @@ to its bucket and the padding rows are masked out as attention keys (`PackedLayo
 compute what the unpadded prompt gives. Under Ulysses the steps run whole on each rank (`placement`); with
 `dit.teacher_staged`, each rank runs one contiguous stage of the blocks (`TeacherStages`) and a step's hidden rows
 go from rank to rank through host memory the ranks share (signalled on a gloo group of the teacher's own),
-outside the graphs; or, with
-`dit.teacher_sharded`, graphed and sharded over the ranks like any forward (the all-to-alls captured with them).
+outside the graphs; or, with `dit.teacher_sharded`, graphed and sharded over the ranks like any forward (the
+all-to-alls captured with them).
 
 `start` begins a request's teacher and returns a `TeacherRun` whose states the students wait for one by one. With
 `overlap` (`dit.teacher_overlap`) and every step captured, a worker thread replays the graphs on the teacher's own

@@ -296,8 +296,8 @@ class GrpcSession(PipelineSession):
 
     async def chunks(self) -> AsyncIterator[MediaChunk]:
         """Yield the phases' MediaChunks in order (one per phase, three for the first: the VAE sends its first 5
-        frames and the rest of its first clip apart) until the session ends; after cancel(), the chunks the VAE still returns and then its trailer
-        (kind="trailer"). A phase is acked to the DiT when its last chunk is in."""
+        frames and the rest of its first clip apart) until the session ends; after cancel(), the chunks the VAE
+        still returns and then its trailer (kind="trailer"). A phase is acked to the DiT when its last chunk is in."""
         data, phase_begun = bytearray(), False  # phase_begun: an earlier chunk held part of this phase
         try:
             while (reply := await self._vae_call.read()) is not grpc.aio.EOF:

@@ -15,8 +15,8 @@ Additive to vLLM-Omni: `session.queued{position}`, `error.code` on every error, 
 metadata fields `request_index`, `phase_index`, `timings`. A chunk is one phase of generation, except a session's
 first phase, which goes out as three chunks (its first 5 frames as soon as its first clip is decoded, that clip's
 other 12, then the rest): all carry that phase's `generation_chunk_index` and indexes, while
-`transport_chunk_index` counts every binary frame; the phase's started/completed event ids ride on its first chunk. As in vLLM-Omni,
-`extra_params.pace_to_media_time` (+ `pacing_lead_seconds`, `pacing_max_lag_seconds`) makes the
+`transport_chunk_index` counts every binary frame; the phase's started/completed event ids ride on its first chunk.
+As in vLLM-Omni, `extra_params.pace_to_media_time` (+ `pacing_lead_seconds`, `pacing_max_lag_seconds`) makes the
 gateway send each chunk no earlier than its media time; `extra_params.hold_for_prompt`
 (+ `hold_max_seconds`, `hold_fallback_prompt`) is passed to the backend as `HoldSettings`.
 

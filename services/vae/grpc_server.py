@@ -1,5 +1,5 @@
-"""gRPC mapping of the VAE stage: one `Decode` call is one stream; each phase_end yields its fMP4 chunks (one, or two
-for the stream's first phase: `DecodeSession.phase`).
+"""gRPC mapping of the VAE stage: one `Decode` call is one stream; each phase_end yields its fMP4 chunks (one, or
+three for the stream's first phase: `DecodeSession.phase`).
 
 When the client closes its request stream, the muxer is closed and its closing bytes go out as a last chunk
 with `trailer` set (the AAC encoder's held-back audio); a phase whose phase_end never came is dropped.
@@ -99,7 +99,7 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                         if video is None or audio is None:
                             raise SequenceMismatch("phase_end before the phase's video and audio latents")
                         chunks = await asyncio.to_thread(session.phase, video.float(), audio.float())
-                        try:  # each chunk goes out as soon as it is muxed (a first phase has two)
+                        try:  # each chunk goes out as soon as it is muxed (a first phase has three)
                             while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
                                 observe(index, request.phase_end, chunk)
                                 for message in chunk_messages(index, chunk, release_video=video_release,

@@ -1,6 +1,7 @@
 """The block stack as piecewise CUDA graphs (`BlockGraphs`): the pieces between the attention calls compute what the
 block loop computes, only the captured shapes with the LoRA active replay, and a session's text-free forwards are
-exactly the captured shapes, and with the text padded to a bucket so are the forwards that run it. On the CPU the bank runs each piece eagerly (same bookkeeping); on a GPU they replay."""
+exactly the captured shapes, and with the text padded to a bucket so are the forwards that run it. On the CPU the
+bank runs each piece eagerly (same bookkeeping); on a GPU they replay."""
 
 import pytest
 import torch
