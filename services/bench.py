@@ -27,7 +27,7 @@ import torch
 
 from peft.tuners.lora import LoraLayer
 
-from services.common.config import (SDPA_KERNELS, DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig,
+from services.common.config import (ATTENTION_KERNELS, DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig,
                                     load_profile)
 from services.common.cuda_graphs import PromptBuckets
 from services.common.media import VIDEO_FPS
@@ -362,7 +362,7 @@ def baseline(opts, device, model: DiT) -> dict:
             encoder_hidden_states=text[None], timestep=ts, timestep_indices=slot, token_tags=tags.clamp(min=0),
             position_ids=layout.positions[:real], video_indices=idx[tags == 0], audio_indices=idx[tags == 2],
             text_indices=idx[tags == 1])
-        theirs = time_call(run_ref, device)  # same SDPA kernels as ours (dit.attention; an H200 picks cuDNN anyway)
+        theirs = time_call(run_ref, device)  # torch's SDPA in this process's order (cuDNN first on an H200)
         del ref, run_ref
     torch.cuda.empty_cache()
     return {"rows": real, "ours_s": ours, "diffusers_s": theirs}
@@ -413,8 +413,8 @@ def main() -> None:
     parser.add_argument("--prompt-buckets", default=",".join(map(str, DiTConfig().prompt_buckets)),
                         help="prompt lengths the graphs are captured for (the largest must hold --max-tokens)")
     parser.add_argument("--baseline", action="store_true", help="also time diffusers' forward (CUDA only)")
-    parser.add_argument("--attention", default="default", choices=SDPA_KERNELS,
-                        help="SDPA kernel order of every DiT rank (dit.attention)")
+    parser.add_argument("--attention", default="default", choices=ATTENTION_KERNELS,
+                        help="attention kernels of every DiT rank (dit.attention)")
     parser.add_argument("--merge-lora", action="store_true",
                         help="fold the LoRA into the base weights; the teacher subtracts it (dit.merge_lora)")
     parser.add_argument("--teacher-sharded", action="store_true",

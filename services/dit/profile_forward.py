@@ -3,7 +3,7 @@
 Times one 10-latent phase forward (480×864, 400 text rows, 13,000 history rows) of the full DiT with random
 weights as features are switched on one by one — BF16 base, + LoRA side branch, the LoRA merged into the base,
 FP8 block linears, the teacher's path (merged weights minus the side branch: what an unmerged student costs),
-cuDNN's attention tried first — then profiles the last configuration (the usp2 student) and prints the kernels
+cuDNN's attention tried first, with `--fa4` FlashAttention 4 — then profiles the last configuration (the usp2 student) and prints the kernels
 that take the most GPU time, grouped into matrix products, attention and everything else. Last, the student
 forward at smaller phases (5 and 1 latents, and the teacher's ~900-row audio document) with the host time the
 call takes to return beside the device time: where they meet, the forward is bound by the host's per-op
@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from services.dit.bench_forward import Geometry, HistoryAttention, _phase, _time, analytic_flops
 from services.dit.fp8 import quantize_linears
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, SDPA_ORDERS, build_random
+from services.dit.model import PRESETS, SDPA_ORDERS, build_random, prefer_attention_kernels
 from services.gpu_trace import category, host_and_device_ms
 
 log = logging.getLogger("services.dit.profile_forward")
@@ -61,6 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--fa4", action="store_true",
+                        help="last, the two FP8 rows again with FlashAttention 4 (dit.attention: fa4)")
     opts = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dev, args = torch.device("cuda"), PRESETS["full"]
@@ -90,6 +92,11 @@ def main() -> None:
                 model(*inputs, layout, attention)
                 torch.cuda.synchronize()
             dispatch = dispatch_table(model, args, dev) + host_profile(model, args, dev, opts.top)
+        if opts.fa4:
+            prefer_attention_kernels("fa4")  # for good: the rows above ran SDPA's kernels
+            timed("fp8, LoRA merged, FA4")
+            with adapter.suspended():
+                timed("fp8 - LoRA side branch, FA4")
     totals: dict[str, float] = {}
     kernels = []
     for evt in prof.key_averages():

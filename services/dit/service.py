@@ -23,7 +23,8 @@ from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_sdpa_kernels
+from services.dit.model import (PRESETS, DiT, FullAttention, build_random, prefer_attention_kernels,
+                                warm_flash_attention_4)
 from services.dit.runtime import DiTRuntime, block_graph_shapes
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig
@@ -42,7 +43,7 @@ def runtime_timesteps() -> list[float]:
 
 def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     """Build one rank's runtime on `device`: base DiT, TaoMate LoRA (merged into the base weights if configured),
-    then FP8 and the AdaLN cache if configured; this process's SDPA kernel order.
+    then FP8 and the AdaLN cache if configured; this process's attention kernels.
 
     Module-level so the DiT group can pickle it to its worker ranks (each sees its GPU as `device`).
     """
@@ -51,7 +52,7 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     dtype = getattr(torch, cfg.dtype)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # streams, compiled kernels and graph pools follow the current device
-    prefer_sdpa_kernels(cfg.attention)
+    prefer_attention_kernels(cfg.attention)
     root = pathlib.Path(model_cfg.dir)
     if model_cfg.random_weights_on_device:
         model = build_random(args, device, dtype, seed=0)
@@ -72,6 +73,7 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
         log.info("AdaLN cache: %s", model.cache_adaln(runtime_timesteps()))
     if device.type == "cuda":
         compile_block_regions(model, adapter)
+        warm_flash_attention_4(args.num_heads // cfg.usp_degree, args.head_dim, device, dtype)
     block_graphs = cfg.cuda_graphs and cfg.reuse_text_kv and device.type == "cuda"
     runtime = DiTRuntime(model, RuntimeConfig(
         canvases=cfg.canvas_short_edges, max_text_tokens=profile.encoder.max_tokens,

@@ -14,8 +14,8 @@ def test_shipped_profiles_load(name):
     profile = load_profile(ROOT / "configs" / f"{name}.yaml")
     assert profile.name == name
     assert profile.dit.usp_degree == {"tiny_cpu": 1, "usp2_fp8": 2, "usp4_bf16": 4}[name]
-    gpu = name != "tiny_cpu"  # the GPU profiles try cuDNN's attention first; only the BF16 one merges the LoRA
-    assert profile.dit.attention == ("cudnn" if gpu else "default")  # (merged before FP8 it blurs the video),
+    gpu = name != "tiny_cpu"  # the GPU profiles run FlashAttention 4; only the BF16 one merges the LoRA
+    assert profile.dit.attention == ("fa4" if gpu else "default")  # (merged before FP8 it blurs the video),
     assert profile.dit.merge_lora == (name == "usp4_bf16")
     assert profile.vae.compile_blocks == gpu  # and the video decoder's ViT blocks compiled
 
@@ -34,7 +34,7 @@ def test_bad_values_are_named():
         DiTConfig(devices=("cuda:0", "cuda:1", "cuda:2"))
     with pytest.raises(ValueError, match="entry 200"):
         DiTConfig(canvas_short_edges=(200,))
-    with pytest.raises(ValueError, match="dit.attention='flash3': use one of \\('default', 'cudnn'\\)"):
+    with pytest.raises(ValueError, match="dit.attention='flash3': use one of \\('default', 'cudnn', 'fa4'\\)"):
         DiTConfig(attention="flash3")
     with pytest.raises(ValueError, match="dit.merge_lora='yes': must be true or false"):
         DiTConfig(merge_lora="yes")
