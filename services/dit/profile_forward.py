@@ -3,11 +3,11 @@
 Times one 10-latent phase forward (480×864, 400 text rows, 13,000 history rows) of the full DiT with random
 weights as features are switched on one by one — BF16 base, + LoRA side branch, the LoRA merged into the base,
 FP8 block linears, the teacher's path (merged weights minus the side branch: what an unmerged student costs),
-cuDNN's attention tried first, with `--fa4` FlashAttention 4 — then profiles the last configuration (the usp2 student) and prints the kernels
-that take the most GPU time, grouped into matrix products, attention and everything else. Last, the student
+cuDNN's attention tried first — then profiles the last configuration and prints the kernels that take the most
+GPU time, grouped into matrix products, attention and everything else. Last, the student
 forward at smaller phases (5 and 1 latents, and the teacher's ~900-row audio document) with the host time the
 call takes to return beside the device time: where they meet, the forward is bound by the host's per-op
-dispatch, not the GPU.
+dispatch, not the GPU. With `--fa4`, the two FP8 rows again with FlashAttention 4 (`dit.attention: fa4`).
 Knows nothing about sessions.
 """
 from __future__ import annotations

@@ -149,8 +149,8 @@ recv = torch.randn(1500, 3, 28, 128, device="cuda", dtype=torch.bfloat16, genera
 cache_k, cache_v = (torch.randn(5000, 28, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
 q, k, v = recv.unbind(1)
 valid = torch.ones(1500, dtype=torch.bool, device="cuda"); valid[1400:] = False
-cases = {"media over the cache": (q[100:], cache_k, cache_v, None), "text-only, in place": (q[:100], k[:100], v[:100], None),
-         "masked keys": (q, k, v, valid)}
+cases = {"media over the cache": (q[100:], cache_k, cache_v, None),
+         "text-only, in place": (q[:100], k[:100], v[:100], None), "masked keys": (q, k, v, valid)}
 reference = {name: sdpa_rows(*(t.float() for t in c[:3]), c[3]) for name, c in cases.items()}  # float32, SDPA
 cudnn = {name: sdpa_rows(*c) for name, c in cases.items()}
 prefer_attention_kernels("fa4")

@@ -60,7 +60,7 @@ def test_bench_takes_its_options_from_a_profile():
     usp2 = profile_options(load_profile(ROOT / "configs" / "usp2_fp8.yaml"))
     assert set(usp2) == set(PROFILE_OPTIONS)
     assert usp2 == dict(preset="full", devices="cuda:0,cuda:1", width=864, height=480, max_tokens=512, fp8=True,
-                        adaln_cache=True, cuda_graphs=True, prompt_buckets="128,256,384,512", attention="cudnn",
+                        adaln_cache=True, cuda_graphs=True, prompt_buckets="128,256,384,512", attention="fa4",
                         merge_lora=False, teacher_sharded=False, teacher_overlap=True, teacher_staged=True,
                         reuse_text_kv=True,
                         tile_overlap=32, vae_tile_devices="cuda:0", vae_compile=True, vae_graphs=True, window=2)
