@@ -107,7 +107,7 @@ class DiTConfig:
     attention: str = "default"
     """Attention kernels of every DiT rank: "default" (torch's SDPA, its own choice), "cudnn" (SDPA with cuDNN's
     attention first, the fastest of SDPA's on Hopper at these shapes; the others stay as fallbacks for inputs a
-    kernel cannot take) or "fa4" (FlashAttention 4 for every unmasked attention on CUDA, 1.2-1.4x cuDNN's speed at
+    kernel cannot take) or "fa4" (FlashAttention 4 for every unmasked attention on CUDA, 1.12-1.17x cuDNN's speed at
     these shapes on an H200; the masked ones go to SDPA as with "cudnn"; needs the flash-attn-4 package)."""
     audio_reset_requests: int = 12
     """Drop the audio KV history every this many requests."""
