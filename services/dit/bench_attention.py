@@ -2,14 +2,13 @@
 
 For each shape (a phase's media rows over the KV cache, its text rows and the current rows; per USP2 rank, 28
 heads, and on one GPU, 56), one call of every kernel `dit.attention` can run: SDPA's cuDNN and flash kernels, and
-FlashAttention 4 when it imports. Prints the median time of a call, its TFLOP/s and its error against a float32
+FlashAttention 4 when it imports. Prints the median device time of a call, its TFLOP/s and its error against a float32
 reference. q is a plane of a packed `[S, 3, H, D]` buffer, as the Ulysses receive buffer hands it to the pattern.
 Knows nothing about sessions.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.dit.geometry import check_canvas, plan_request
 from services.dit.model import PRESETS, load_flash_attention_4, sdpa_rows
+from services.dit.probe import time_call
 
 
 @dataclass(frozen=True)
@@ -45,20 +45,6 @@ def streaming_shapes(text_rows: int = 400, history_rows: int = 13000) -> list[At
             shapes.append(AttentionShape(f"{latents} latents, {'USP2 rank' if ranks == 2 else 'one GPU'}",
                                          heads // ranks, media, history + media + text_rows))
     return shapes
-
-
-def median_ms(fn: Callable[[], object], runs: int) -> float:
-    """Median device time of `fn` over `runs` calls, after two warm-up calls (compilation included there)."""
-    fn(), fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def kernels() -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -96,7 +82,7 @@ def main() -> None:
             reference = sdpa_rows(q.float(), k.float(), v.float())
         row = [shape]
         for label, call in calls.items():
-            ms = median_ms(lambda: call(q, k, v), opts.runs)
+            ms = time_call(lambda: call(q, k, v), dev, opts.runs) * 1e3  # median after a warm-up (compiles FA4)
             out = call(q, k, v).float()
             err = ((out - reference).norm() / reference.norm()).item()
             row.append((label, ms, err))
