@@ -87,7 +87,6 @@ def main() -> None:
             err = ((out - reference).norm() / reference.norm()).item()
             row.append((label, ms, err))
         table.append(row)
-        del packed, k, v, reference
     labels = list(calls)
     print(f"{'shape':24s} {'heads':>5s} {'q rows':>6s} {'k rows':>6s} "
           + " ".join(f"{label + ' ms':>9s} {'TFLOP/s':>7s} {'err':>7s}" for label in labels)
