@@ -211,3 +211,53 @@ print(bool(torch.equal(captured, fresh)), moved, len(calls) >= 3)
 """)
     bitwise, moved, went_through_fa4 = out.split()[-3:]
     assert (bitwise, moved, went_through_fa4) == ("True", "True", "True"), out
+
+
+SESSION = """
+import sys, torch
+from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
+from services.dit.lora import LoRAAdapter
+from services.dit import model as dit_model
+from services.dit.runtime import DiTRuntime
+
+kernels, adapter_dir, out = sys.argv[1:4]
+dit_model.prefer_attention_kernels(kernels)
+calls = []
+if kernels == "fa4":
+    inner = dit_model._FLASH_ATTENTION_4[0]
+    dit_model._FLASH_ATTENTION_4[0] = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
+args = dit_model.PRESETS["tiny"]
+model = dit_model.build_random(args, "cuda", torch.bfloat16, seed=0)
+rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16), LoRAAdapter.load(model, adapter_dir))
+session = rt.open_session(SessionConfig(seed=4, width=256, height=192),
+                          PromptUpdate(torch.randn(6, args.text_dim, generator=torch.Generator().manual_seed(1)), "e0"))
+phases = [session.next_phase() for _ in range(5)]
+session.close()
+torch.save({"video": [p.video.cpu() for p in phases], "audio": [p.audio.cpu() for p in phases]}, out)
+print(len(calls))
+"""
+
+
+@pytest.mark.gpu
+def test_a_streaming_session_with_fa4_is_within_bf16_of_cudnn(tmp_path):
+    """The whole runtime (teacher, students, commits over the growing KV cache) with `fa4` against `cudnn`: the
+    same latents within BF16 rounding, and FlashAttention 4 ran in it."""
+    torch = pytest.importorskip("torch")
+    torch.cuda.is_available() or pytest.skip("needs a CUDA GPU")
+    _fa4_importable() or pytest.skip("needs FlashAttention 4 (flash-attn-4)")
+    from services.dit.lora import write_random_adapter
+    from services.dit.model import PRESETS
+
+    adapter_dir = write_random_adapter(PRESETS["tiny"], tmp_path / "adapter", seed=1)
+    results = {}
+    for kernels in ("cudnn", "fa4"):
+        done = subprocess.run([sys.executable, "-c", SESSION, kernels, str(adapter_dir), str(tmp_path / kernels)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[kernels] = (int(done.stdout.split()[-1]), torch.load(tmp_path / kernels))
+    assert results["cudnn"][0] == 0 and results["fa4"][0] > 0
+    cudnn, fa4 = results["cudnn"][1], results["fa4"][1]
+    for key in ("video", "audio"):
+        for x, y in zip(fa4[key], cudnn[key]):
+            assert torch.isfinite(x).all() and x.shape == y.shape
+            assert (x - y).norm() <= 2e-2 * y.norm(), (key, ((x - y).norm() / y.norm()).item())
