@@ -221,19 +221,6 @@ def prefer_attention_kernels(name: str) -> None:
         _HELD_SDPA_ORDERS.append(held)
 
 
-def warm_flash_attention_4(heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Compile FlashAttention 4's kernels for this head size now, not in a session's first forward (~1.5 s): q as a
-    plane of a packed `[S, 3, H, D]` buffer (the Ulysses receive buffer) over contiguous keys (the KV cache), and
-    q, k, v all planes of it (a text-only call). Does nothing unless `prefer_attention_kernels("fa4")` ran."""
-    if not _FLASH_ATTENTION_4:
-        return
-    packed = torch.randn(256, 3, heads, head_dim, device=device, dtype=dtype)
-    keys = torch.randn(2, 384, heads, head_dim, device=device, dtype=dtype)
-    sdpa_rows(packed[:, 0], keys[0], keys[1])
-    sdpa_rows(*packed.unbind(1))
-    torch.cuda.synchronize(device)
-
-
 def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None
               ) -> torch.Tensor:
     """Attention of q rows over k/v rows; keys where `key_valid` is False take no part."""

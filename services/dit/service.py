@@ -23,8 +23,7 @@ from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import (PRESETS, DiT, FullAttention, build_random, prefer_attention_kernels,
-                                warm_flash_attention_4)
+from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_attention_kernels
 from services.dit.runtime import DiTRuntime, block_graph_shapes
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig
@@ -73,7 +72,6 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
         log.info("AdaLN cache: %s", model.cache_adaln(runtime_timesteps()))
     if device.type == "cuda":
         compile_block_regions(model, adapter)
-        warm_flash_attention_4(args.num_heads // cfg.usp_degree, args.head_dim, device, dtype)
     block_graphs = cfg.cuda_graphs and cfg.reuse_text_kv and device.type == "cuda"
     runtime = DiTRuntime(model, RuntimeConfig(
         canvases=cfg.canvas_short_edges, max_text_tokens=profile.encoder.max_tokens,
