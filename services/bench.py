@@ -27,6 +27,7 @@ import torch
 
 from peft.tuners.lora import LoraLayer
 
+from services.bench_vae import NoVAE, VAEStage
 from services.common.config import (ATTENTION_KERNELS, DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig,
                                     load_profile)
 from services.common.cuda_graphs import PromptBuckets
@@ -43,7 +44,6 @@ from services.dit.service import build_runtime
 from services.dit.teacher import STEPS as TEACHER_STEPS
 from services.encoder.model import TextEncoder
 from services.gateway.config import GatewayConfig
-from services.bench_vae import NoVAE, VAEStage
 from services.gpu_trace import KernelTrace
 
 log = logging.getLogger("services.bench")

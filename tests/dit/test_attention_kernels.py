@@ -118,6 +118,14 @@ def _fa4_importable() -> bool:
     return True
 
 
+def _needs_cuda_and_fa4():
+    """torch, or a skip without a CUDA GPU or FlashAttention 4."""
+    torch = pytest.importorskip("torch")
+    torch.cuda.is_available() or pytest.skip("needs a CUDA GPU")
+    _fa4_importable() or pytest.skip("needs FlashAttention 4 (flash-attn-4)")
+    return torch
+
+
 @pytest.mark.cpu
 def test_fa4_without_its_package_is_refused_naming_the_package_and_the_way_out():
     if _fa4_importable():
@@ -165,9 +173,7 @@ def test_fa4_takes_the_unmasked_calls_in_place_and_equals_cudnn_within_bf16():
     """The streaming pattern's two unmasked calls (media rows over the KV cache, q a plane of the Ulysses receive
     buffer; text rows over text keys, all three planes of it) go to FlashAttention 4 as they lie, and land as close
     to a float32 reference as cuDNN does; a masked call stays with SDPA."""
-    torch = pytest.importorskip("torch")
-    torch.cuda.is_available() or pytest.skip("needs a CUDA GPU")
-    _fa4_importable() or pytest.skip("needs FlashAttention 4 (flash-attn-4)")
+    _needs_cuda_and_fa4()
     out = run(FA4_CASES + """
 import json
 rows = {}
@@ -190,9 +196,7 @@ print(json.dumps(rows))
 def test_fa4_replays_in_a_cuda_graph_bitwise_like_eager():
     """The audio teacher's steps are CUDA graphs, and its pad rows' attention is unmasked: FlashAttention 4 must
     launch on the capturing stream, and a replay equal the eager call bit for bit."""
-    torch = pytest.importorskip("torch")
-    torch.cuda.is_available() or pytest.skip("needs a CUDA GPU")
-    _fa4_importable() or pytest.skip("needs FlashAttention 4 (flash-attn-4)")
+    _needs_cuda_and_fa4()
     out = run(FA4_CASES + """
 qq, kk, vv = (t.clone() for t in (q[100:], cache_k, cache_v))
 eager = sdpa_rows(qq, kk, vv).clone()
@@ -242,9 +246,7 @@ print(len(calls))
 def test_a_streaming_session_with_fa4_is_within_bf16_of_cudnn(tmp_path):
     """The whole runtime (teacher, students, commits over the growing KV cache) with `fa4` against `cudnn`: the
     same latents within BF16 rounding, and FlashAttention 4 ran in it."""
-    torch = pytest.importorskip("torch")
-    torch.cuda.is_available() or pytest.skip("needs a CUDA GPU")
-    _fa4_importable() or pytest.skip("needs FlashAttention 4 (flash-attn-4)")
+    torch = _needs_cuda_and_fa4()
     from services.dit.lora import write_random_adapter
     from services.dit.model import PRESETS
 
