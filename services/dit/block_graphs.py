@@ -1,9 +1,10 @@
 """The DiT's block stack as piecewise CUDA graphs, for the streaming forwards (students and commits) of each phase.
 
-A block is two compiled regions around its attention call (`attention_inputs`, `residual_branches` in model.py).
+A block is its work before and after its attention call (`attention_inputs`, `residual_branches` in model.py):
+compiled regions and the kernels that finish the LoRA linears.
 The attention stays eager: under Ulysses it holds the all-to-alls (NCCL work inside a graph cannot be aborted when a
 rank dies), and the streaming pattern's shapes grow with the KV history. So one graph covers each stretch between
-two attention calls (the second region of block i-1 and the first of block i), and a forward is 51 replays with
+two attention calls (block i-1's work after its attention and block i's before its own), and a forward is 51 replays with
 the 50 attention calls between them, instead of thousands of kernel launches. On an idle GPU a forward below ~2,500
 rows is bound by that dispatch (~124 ms of host whatever its size, docs/benchmarks.md §2); under USP2 beside the
 VAE the GPUs are the limit in every phase (§4.6), and the graphs take the dispatch off the ranks' host threads.
@@ -27,7 +28,7 @@ import torch
 
 from services.common.cuda_graphs import CudaGraphBank, GraphKey
 from services.dit.lora import LoRAAdapter
-from services.dit.model import DiT, ShardedAttend, attention_inputs, pack_head_groups, residual_branches
+from services.dit.model import DiT, ShardedAttend, attention_inputs, residual_branches
 
 
 @dataclass
@@ -113,13 +114,13 @@ class BlockGraphs:
         return b.x.clone()  # the next forward overwrites the buffer
 
     def _piece(self, b: _Buffers, i: int) -> None:
-        """Piece i: block i-1's second region (after its attention), then block i's first region (before its own)."""
+        """Piece i: block i-1's work after its attention, then block i's before its own."""
         blocks = self.model.blocks
         x = b.x
         if i > 0:
             x = residual_branches(blocks[i - 1], b.x, b.tables[i - 1], b.rows, b.attn)
         if i < len(blocks):
-            pack_head_groups(*attention_inputs(blocks[i], x, b.tables[i], b.rows, b.cos, b.sin), b.send)
+            attention_inputs(blocks[i], x, b.tables[i], b.rows, b.cos, b.sin, b.send)
         if i > 0:
             b.x.copy_(x)
 

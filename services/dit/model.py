@@ -3,7 +3,9 @@
 Module names follow the ORIGINAL checkpoint keys (`blocks.N.attn.qkv_proj`, `mlp.fc1`, `final_layer.video_out`, ...),
 with `qkv_proj` rows in [Q; K; V] order. Knows nothing about checkpoints on disk, LoRA scales, ranks or KV caches:
 attention is a callable handed to `forward` (`AttentionPattern`), sequence parallelism is the `sequence_shard`
-object installed from outside, LoRA wraps the plain `nn.Linear`s from outside.
+object installed from outside, LoRA wraps the plain `nn.Linear`s from outside. A block splits a wrapped QKV
+projection or fc1 into its base output and its branch's down-projection (`lora_down`), so that on CUDA the kernel
+consuming the output (`lora_kernels.py`) also does the up-projection.
 """
 
 from __future__ import annotations
@@ -123,11 +125,12 @@ class ShardedAttend(Protocol):
     """One block's attention inside a sequence shard: `inner(q, k, v)` over every row for this rank's heads, wrapped
     in what moves rows between ranks."""
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v `[R, H, D]` of this rank's rows -> the attention output `[R, H, D]`."""
+    degree: int
+    """Ranks of the shard: the head groups of `send`."""
 
     def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
-        """The same from q, k, v already laid out by `pack_head_groups` (`send`), written into `out` `[R, H, D]`."""
+        """q, k, v of this rank's rows, laid out by `pack_head_groups` (`send` `[degree, R, 3, H / degree, D]`) ->
+        the attention output, written into `out` `[R, H, D]`."""
 
 
 class SequenceShard(Protocol):
@@ -155,11 +158,10 @@ def pack_head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
 class LocalAttend:
     """`ShardedAttend` of a single device: the inner attention over all rows and heads, nothing moved."""
 
+    degree = 1
+
     def __init__(self, inner: Callable[..., torch.Tensor]):
         self.inner = inner
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.inner(q, k, v)
 
     def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
         # send: [1, R, 3, H, D] -> out: [R, H, D]
@@ -301,24 +303,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.qk_norm_eps)
         self.out_proj = nn.Linear(args.inner_dim, args.hidden_size, bias=False)
 
-    def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v `[S, H, D]` of x `[S, C]`: QK-norm, then RoPE where given."""
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v `[S, H, D]` of x `[S, C]`, QK-norm applied (the refiner's; a DiT block's is `attention_inputs`)."""
         qkv = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # [S, 3, H, D]
         q, k, v = qkv.unbind(1)
-        if rope is not None:
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
-        else:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        return self.q_norm(q), self.k_norm(k), v
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         # out: [S, H, D] -> [S, C]
         return self.out_proj(out.flatten(1))
 
-    def forward(self, x: torch.Tensor, attend, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         # x: [S, C] -> [S, C]
-        return self.project_out(attend(*self.project_qkv(x, rope)))
+        return self.project_out(attend(*self.project_qkv(x)))
 
 
 class MLP(nn.Module):
@@ -353,7 +350,7 @@ class RefinerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
         # x: [Tt, C]; key_valid: [Tt] bool or None
-        x = x + self.attn(self.norm1(x), lambda q, k, v: sdpa_rows(q, k, v, key_valid), None)
+        x = x + self.attn(self.norm1(x), lambda q, k, v: sdpa_rows(q, k, v, key_valid))
         return x + self.mlp(self.norm2(x))
 
 
@@ -380,29 +377,102 @@ class Block(nn.Module):
         self.adaln_proj = AdaLNProj(args.time_embed_dim, args.adaln_out)
 
     def forward(self, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], attend) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor], attend: ShardedAttend) -> torch.Tensor:
         # x: [S, C]; table: [n * 3, 6, C] AdaLN (shift, scale, gate) x (attention, mlp); rows: [S] table row per x row
-        q, k, v = attention_inputs(self, x, table, rows, *rope)
-        return residual_branches(self, x, table, rows, attend(q, k, v))
+        h, d, g = self.attn.num_heads, self.attn.head_dim, attend.degree
+        send = x.new_empty(g, x.shape[0], 3, h // g, d)
+        attention_inputs(self, x, table, rows, *rope, send)
+        out = x.new_empty(x.shape[0], h, d)
+        attend.packed(send, out)
+        return residual_branches(self, x, table, rows, out)
 
 
-@cuda_compiled
 def attention_inputs(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A block's first region: AdaLN-modulated norm, QKV projection, QK-norm and RoPE -> q, k, v `[S, H, D]`."""
-    mod = table[:, :2].index_select(0, rows)  # [S, 2, C]: this region's (shift, scale)
-    h = norm_modulate(x, block.norm1.weight, mod[:, 0], mod[:, 1], block.norm1.eps)
-    return block.attn.project_qkv(h, (cos, sin))
+                     sin: torch.Tensor, send: torch.Tensor) -> None:
+    """A block's work before its attention: q, k, v of x (QK-norm and RoPE applied) written into `send`
+    `[G, S, 3, H / G, D]` by head group (`pack_head_groups`' layout)."""
+    base, down = qkv_projection(block, x, table, rows)
+    attn = block.attn
+    up, scale = lora_up(attn.qkv_proj) if down is not None else (None, 0.0)
+    if fused_kernels(base, attn.head_dim):
+        lora_kernels().qkv_heads(base, down, up, scale, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+                                 cos, sin, send)
+        return
+    qkv = base if down is None else base + F.linear(down, up) * scale
+    q, k, v = qkv.unflatten(-1, (3, attn.num_heads, attn.head_dim)).unbind(1)  # [S, 3 * H * D] -> 3 x [S, H, D]
+    q, k = qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin)
+    pack_head_groups(q, k, v, send)
 
 
-@cuda_compiled
 def residual_branches(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                       attn_out: torch.Tensor) -> torch.Tensor:
-    """A block's second region: gated attention residual, then the modulated, gated MLP residual -> x `[S, C]`."""
-    mod = table[:, 2:].index_select(0, rows)  # [S, 4, C]: this region's gate, (shift, scale), gate
+    """A block's work after its attention: the gated attention residual, then the modulated, gated MLP residual ->
+    x `[S, C]`."""
+    x, base, down = mlp_inputs(block, x, table, rows, attn_out)
+    up, scale = lora_up(block.mlp.fc1) if down is not None else (None, 0.0)
+    if fused_kernels(base):
+        act = lora_kernels().swiglu(base, down, up, scale)
+    else:
+        act = swiglu(base if down is None else base + F.linear(down, up) * scale)
+    return mlp_residual(block, x, table, rows, act)
+
+
+@cuda_compiled
+def qkv_projection(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Compiled region: AdaLN-modulated norm and the QKV projection's base output `[S, 3 * H * D]` and LoRA
+    down-projection `[S, rank]` (`lora_down`)."""
+    mod = table[:, :2].index_select(0, rows)  # [S, 2, C]: this region's (shift, scale)
+    h = norm_modulate(x, block.norm1.weight, mod[:, 0], mod[:, 1], block.norm1.eps)
+    return lora_down(block.attn.qkv_proj, h)
+
+
+@cuda_compiled
+def mlp_inputs(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, attn_out: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Compiled region: the gated attention residual -> x `[S, C]`, then the modulated norm and fc1's base output
+    `[S, 2F]` and LoRA down-projection."""
+    mod = table[:, 2:5].index_select(0, rows)  # [S, 3, C]: the attention's gate, the MLP's (shift, scale)
     x = gated_residual(x, mod[:, 0], block.attn.project_out(attn_out))
     h = norm_modulate(x, block.norm2.weight, mod[:, 1], mod[:, 2], block.norm2.eps)
-    return gated_residual(x, mod[:, 3], block.mlp(h))
+    return (x, *lora_down(block.mlp.fc1, h))
+
+
+@cuda_compiled
+def mlp_residual(block: Block, x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, act: torch.Tensor
+                 ) -> torch.Tensor:
+    """Compiled region: fc2 of the SwiGLU activation `[S, F]` as the MLP's gated residual -> x `[S, C]`."""
+    gate = table[:, 5].index_select(0, rows)  # [S, C]
+    return gated_residual(x, gate, block.mlp.fc2(act))
+
+
+def lora_down(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear`'s base output on x and, where a LoRA side branch is on (peft's `LoraLayer`, which `lora.py`
+    installs), the branch's down-projection A x `[S, rank]`; (linear(x), None) otherwise. The up-projection is left
+    to the kernel that consumes the output (`lora_up`)."""
+    base = getattr(linear, "base_layer", None)
+    if base is None or linear.disable_adapters:
+        return linear(x), None
+    (name,) = linear.active_adapters
+    return base(x), linear.lora_A[name](x)
+
+
+def lora_up(linear: nn.Module) -> tuple[torch.Tensor, float]:
+    """The up-projection B `[out, rank]` and the scale of `linear`'s LoRA side branch."""
+    (name,) = linear.active_adapters
+    return linear.lora_B[name].weight, linear.scaling[name]
+
+
+def fused_kernels(base: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Whether the Triton kernels (`lora_kernels`) finish the linears whose base output is `base`: CUDA, 16-bit."""
+    return base.is_cuda and base.dtype in (torch.bfloat16, torch.float16) and (
+        head_dim is None or (head_dim >= 16 and head_dim & (head_dim - 1) == 0))
+
+
+def lora_kernels():
+    """`services.dit.lora_kernels`, imported on first CUDA use: it needs Triton, which CPU installs lack."""
+    from services.dit import lora_kernels as kernels
+    return kernels
 
 
 class TimeEmbedder(nn.Module):

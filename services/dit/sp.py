@@ -5,7 +5,8 @@ slices, one per rank, gathered back before the heads, and every block's attentio
 one packed-QKV all-to-all turns the sequence shard `[S/N, H, D]` x 3 into the head shard `[S, H/N, D]` x 3, the
 inner pattern (full or streaming) runs over all rows for this rank's heads (so a KV cache keeps `[rows, H/N, D]`
 per rank), and a second all-to-all restores `[S/N, H, D]`. q, k and v are written once, by head group, into the
-send buffer (`pack_head_groups`: by the block graphs, inside their captured pieces); the receive buffer then holds
+send buffer (`pack_head_groups`' layout, by the kernel that finishes the QKV projection: `attention_inputs` in
+model.py); the receive buffer then holds
 every row's q, k, v side by side, and the inner pattern reads them there as views (the layout cuDNN attention
 calls packed QKV). The text refiner runs replicated (text rows only).
 The same `all_to_all_single` path serves NCCL and gloo. Knows nothing about sessions, KV retention, LoRA or
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from services.dit.model import DiT, NoShard, pack_head_groups
+from services.dit.model import DiT, NoShard
 
 log = logging.getLogger(__name__)
 
@@ -89,24 +90,17 @@ class UlyssesAttend:
     """`ShardedAttend` of a Ulysses rank: the inner attention between the two all-to-alls."""
 
     def __init__(self, inner, group: ProcessGroup | None, world_size: int):
-        self.inner, self.group, self.world_size = inner, group, world_size
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q, k, v: [S/N, H, D] -> [S/N, H, D]
-        send = q.new_empty(self.world_size, q.shape[0], 3, q.shape[1] // self.world_size, q.shape[2])
-        out = torch.empty_like(q)
-        self.packed(pack_head_groups(q, k, v, send), out)
-        return out
+        self.inner, self.group, self.degree = inner, group, world_size
 
     def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
         # send: [N, S/N, 3, H/N, D] -> out: [S/N, H, D]
-        out.unflatten(1, (self.world_size, -1)).copy_(self._exchange(send).transpose(0, 1))
+        out.unflatten(1, (self.degree, -1)).copy_(self._exchange(send).transpose(0, 1))
 
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
         """All-to-all, the inner attention on views of what came in, all-to-all back: [N, S/N, H/N, D]."""
         full = heads_to_rows(send, self.group)  # [S, 3, H/N, D]
         out = self.inner(full[:, 0], full[:, 1], full[:, 2])  # [S, H/N, D]
-        return out_to_rows(out, self.group, self.world_size)
+        return out_to_rows(out, self.group, self.degree)
 
 
 @dataclass

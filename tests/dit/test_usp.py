@@ -102,11 +102,11 @@ def _forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         result["a2a_exact"] = all(torch.equal(got[:, i], t[:, head_slice]) for i, t in enumerate((q, k, v)))
         back = out_to_rows(q[:, head_slice], None, world)  # [N, S/N, H/N, D]: head group i of our rows
         result["a2a_back_exact"] = torch.equal(back.transpose(0, 1).flatten(1, 2), q[mine])
-        # a block's attention from the packed send buffer (the block graphs' path) equals the one from q, k, v
+        # a block's attention from the packed send buffer: this rank's rows of the attention over every row and head
         attend = UlyssesAttend(lambda q, k, v: full(0, q, k, v), None, world)
         out = torch.empty(rows, ARGS.num_heads, ARGS.head_dim)
         attend.packed(send, out)
-        result["packed_exact"] = torch.equal(out, attend(q[mine], k[mine], v[mine]))
+        result["packed_matches"] = torch.allclose(out, full(0, q, k, v)[mine], rtol=1e-5, atol=1e-6)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -135,7 +135,7 @@ def test_full_attention_forward_usp2_usp4_match_one_rank(tmp_path):
     run_ranks(_forward_rank, 4, free_port("127.0.0.1"), str(tmp_path))
     for r in range(4):
         got = torch.load(tmp_path / f"rank{r}.pt")
-        assert got["a2a_exact"] and got["a2a_back_exact"] and got["packed_exact"]
+        assert got["a2a_exact"] and got["a2a_back_exact"] and got["packed_matches"]
         for n in (2, 4):
             # the inner pattern saw every row but only this rank's heads, as views of the receive buffer
             expect = [((layout.seq_len, ARGS.num_heads // n, ARGS.head_dim), True)] * ARGS.num_layers
