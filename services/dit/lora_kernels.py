@@ -37,8 +37,8 @@ def _qkv_heads_kernel(base, down, up, q_weight, k_weight, cos, sin, out,
     cols = column * DIM + c
     partners = tl.broadcast_to(partner[None, :], (BLOCK, DIM))
     r = tl.arange(0, RANK_P)
-    if BRANCH:  # B rows of this head, transposed: [RANK_P, DIM], zero past the rank
-        up_t = tl.load(up + cols[None, :] * RANK + r[:, None], mask=r[:, None] < RANK, other=0.0)
+    if BRANCH:  # B rows of this head [DIM, RANK_P] (as they lie: contiguous along the rank), zero past the rank
+        up_rows = tl.load(up + cols[:, None] * RANK + r[None, :], mask=r[None, :] < RANK, other=0.0)
     weight = tl.where(part == 0, tl.load(q_weight + c), tl.load(k_weight + c)).to(tl.float32)
     weight_partner = tl.where(part == 0, tl.load(q_weight + partner), tl.load(k_weight + partner)).to(tl.float32)
     dest = out + (head // GROUP_HEADS) * out_group + part * out_part + (head % GROUP_HEADS) * out_head
@@ -47,7 +47,7 @@ def _qkv_heads_kernel(base, down, up, q_weight, k_weight, cos, sin, out,
     x = tl.load(base + m[:, None] * base_row + cols[None, :], mask=live, other=0.0).to(tl.float32)
     if BRANCH:
         d = tl.load(down + m[:, None] * down_row + r[None, :], mask=live & (r[None, :] < RANK), other=0.0)
-        x += scale * tl.dot(d, up_t)
+        x += scale * tl.dot(d, tl.trans(up_rows))
     if part < 2:
         xp = tl.gather(x, partners, axis=1)  # [BLOCK, DIM]: each channel's rotate-half partner
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / DIM + eps)[:, None]
@@ -93,10 +93,10 @@ def _swiglu_kernel(base, down, up, out, rows, width, scale, base_row, down_row, 
     c = tl.program_id(1) * COLS + tl.arange(0, COLS)
     c_live = c[None, :] < width
     r = tl.arange(0, RANK_P)
-    if BRANCH:  # B rows of these gate and up columns, transposed: [RANK_P, COLS]
-        r_live = r[:, None] < RANK
-        up_gate = tl.load(up + c[None, :] * RANK + r[:, None], mask=r_live & c_live, other=0.0)
-        up_up = tl.load(up + (width + c)[None, :] * RANK + r[:, None], mask=r_live & c_live, other=0.0)
+    if BRANCH:  # B rows of these gate and up columns [COLS, RANK_P] (as they lie), zero past the rank
+        live_b = (c[:, None] < width) & (r[None, :] < RANK)
+        up_gate = tl.load(up + c[:, None] * RANK + r[None, :], mask=live_b, other=0.0)
+        up_up = tl.load(up + (width + c)[:, None] * RANK + r[None, :], mask=live_b, other=0.0)
     m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = (m[:, None] < rows) & c_live
     gate = tl.load(base + m[:, None] * base_row + c[None, :], mask=live, other=0.0).to(tl.float32)
@@ -104,8 +104,8 @@ def _swiglu_kernel(base, down, up, out, rows, width, scale, base_row, down_row, 
     if BRANCH:
         d = tl.load(down + m[:, None] * down_row + r[None, :], mask=(m[:, None] < rows) & (r[None, :] < RANK),
                     other=0.0)
-        gate += scale * tl.dot(d, up_gate)
-        lin += scale * tl.dot(d, up_up)
+        gate += scale * tl.dot(d, tl.trans(up_gate))
+        lin += scale * tl.dot(d, tl.trans(up_up))
     y = gate * tl.sigmoid(gate) * lin
     tl.store(out + m[:, None] * out_row + c[None, :], y.to(out.dtype.element_ty), mask=live)
 
