@@ -1,11 +1,11 @@
 """MiniMax-H3 DiT ("H3-Omni-Transformer"): one packed single-stream transformer over text, audio and video rows.
 
 Module names follow the ORIGINAL checkpoint keys (`blocks.N.attn.qkv_proj`, `mlp.fc1`, `final_layer.video_out`, ...),
-with `qkv_proj` rows in [Q; K; V] order. Knows nothing about checkpoints on disk, LoRA scales, ranks or KV caches:
-attention is a callable handed to `forward` (`AttentionPattern`), sequence parallelism is the `sequence_shard`
-object installed from outside, LoRA wraps the plain `nn.Linear`s from outside. A block splits a wrapped QKV
-projection or fc1 into its base output and its branch's down-projection (`lora_down`), so that on CUDA the kernel
-consuming the output (`lora_kernels.py`) also does the up-projection.
+with `qkv_proj` rows in [Q; K; V] order. Knows nothing about checkpoints on disk or KV caches: attention is a
+callable handed to `forward` (`AttentionPattern`), sequence parallelism is the `sequence_shard` object installed
+from outside, LoRA wraps the plain `nn.Linear`s from outside (peft, `lora.py`). A block reads a wrapped QKV
+projection or fc1 as its base output, its branch's down-projection and its up-projection (`lora_down`, `lora_up`),
+so that on CUDA the kernel consuming the output (`lora_kernels.py`) also does the up-projection.
 """
 
 from __future__ import annotations
@@ -471,7 +471,11 @@ def fused_kernels(base: torch.Tensor, head_dim: int | None = None) -> bool:
 
 def lora_kernels():
     """`services.dit.lora_kernels`, imported on first CUDA use: it needs Triton, which CPU installs lack."""
-    from services.dit import lora_kernels as kernels
+    try:
+        from services.dit import lora_kernels as kernels
+    except ImportError as e:
+        raise RuntimeError(f"the DiT's CUDA path needs Triton (the triton package, which CUDA builds of torch "
+                           f"install), and it does not import here ({e})") from e
     return kernels
 
 
