@@ -71,10 +71,13 @@ def qkv_heads(base: torch.Tensor, down: torch.Tensor | None, up: torch.Tensor | 
             (("down", down), ("up", up)) if branch else ()):
         if t.stride(-1) != 1:
             raise ValueError(f"qkv_heads: {name} {tuple(t.shape)} needs its last dimension contiguous")
-    if base.shape != (rows, 3 * heads * dim) or (branch and up.shape != (3 * heads * dim, rank)) \
-            or cos.shape[0] != rows or up is not None and up.stride(0) != rank:
-        raise ValueError(f"qkv_heads: base {tuple(base.shape)}, up {None if up is None else tuple(up.shape)}, "
-                         f"cos {tuple(cos.shape)} do not fit out {tuple(out.shape)}")
+    if (base.shape != (rows, 3 * heads * dim) or cos.shape != sin.shape or cos.shape[0] != rows
+            or cos.shape[1] > dim or cos.shape[1] % 2 or q_weight.shape != (dim,) or k_weight.shape != (dim,)
+            or (branch and (down.shape[0] != rows or up.shape != (3 * heads * dim, rank) or up.stride(0) != rank))):
+        raise ValueError(f"qkv_heads: base {tuple(base.shape)}, down {None if down is None else tuple(down.shape)}, "
+                         f"up {None if up is None else tuple(up.shape)}, cos {tuple(cos.shape)}, sin "
+                         f"{tuple(sin.shape)}, norm weights {tuple(q_weight.shape)} / {tuple(k_weight.shape)} do not "
+                         f"fit out {tuple(out.shape)}")
     if rows == 0:
         return
     grid = (triton.cdiv(rows, BLOCK_ROWS), 3 * heads)
@@ -116,10 +119,12 @@ def swiglu(base: torch.Tensor, down: torch.Tensor | None, up: torch.Tensor | Non
     rows, width = base.shape[0], base.shape[1] // 2
     branch = down is not None
     rank = down.shape[1] if branch else 1
-    if base.stride(-1) != 1 or base.shape[1] % 2 or (branch and (down.stride(-1) != 1 or up.shape != (2 * width, rank)
+    if base.stride(-1) != 1 or base.shape[1] % 2 or (branch and (down.stride(-1) != 1 or down.shape[0] != rows
+                                                                 or up.shape != (2 * width, rank)
                                                                  or not up.is_contiguous())):
-        raise ValueError(f"swiglu: base {tuple(base.shape)}, up {None if up is None else tuple(up.shape)}: need an "
-                         f"even width, B rows matching it, and contiguous last dimensions")
+        raise ValueError(f"swiglu: base {tuple(base.shape)}, down {None if down is None else tuple(down.shape)}, up "
+                         f"{None if up is None else tuple(up.shape)}: need an even width, as many down rows as base "
+                         f"rows, B rows matching the width, and contiguous last dimensions")
     out = base.new_empty(rows, width)
     if rows == 0:
         return out

@@ -99,8 +99,16 @@ def test_bad_layouts_are_refused_with_the_tensor_named():
     with pytest.raises(ValueError, match=r"up \(100, 12\)"):
         lora_kernels.qkv_heads(t["base"], t["down"], t["up"][:100], 1.0, t["q_weight"], t["k_weight"], 1e-5,
                                t["cos"], t["sin"], out)
+    with pytest.raises(ValueError, match=r"down \(69, 12\)"):  # one row short: the kernel would read past it
+        lora_kernels.qkv_heads(t["base"], t["down"][:69], t["up"], 1.0, t["q_weight"], t["k_weight"], 1e-5,
+                               t["cos"], t["sin"], out)
+    with pytest.raises(ValueError, match=r"sin \(70, 20\)"):
+        lora_kernels.qkv_heads(t["base"], None, None, 1.0, t["q_weight"], t["k_weight"], 1e-5, t["cos"],
+                               t["sin"][:, :20], out)
     with pytest.raises(ValueError, match="even width"):
         lora_kernels.swiglu(t["fc1"][:, :95], None, None, 1.0)
+    with pytest.raises(ValueError, match="as many down rows"):
+        lora_kernels.swiglu(t["fc1"], t["down"][:69], t["fc1_up"], 1.0)
 
 
 @pytest.mark.gpu
