@@ -393,13 +393,13 @@ def attention_inputs(block: Block, x: torch.Tensor, table: torch.Tensor, rows: t
     `[G, S, 3, H / G, D]` by head group (`pack_head_groups`' layout)."""
     base, down = qkv_projection(block, x, table, rows)
     attn = block.attn
-    up, scale = lora_up(attn.qkv_proj) if down is not None else (None, 0.0)
+    up, scale = lora_up(attn.qkv_proj, down)
     if fused_kernels(base, attn.head_dim):
         lora_kernels().qkv_heads(base, down, up, scale, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
                                  cos, sin, send)
         return
-    qkv = base if down is None else base + F.linear(down, up) * scale
-    q, k, v = qkv.unflatten(-1, (3, attn.num_heads, attn.head_dim)).unbind(1)  # [S, 3 * H * D] -> 3 x [S, H, D]
+    qkv = with_branch(base, down, up, scale).unflatten(-1, (3, attn.num_heads, attn.head_dim))  # [S, 3, H, D]
+    q, k, v = qkv.unbind(1)
     q, k = qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin)
     pack_head_groups(q, k, v, send)
 
@@ -409,11 +409,11 @@ def residual_branches(block: Block, x: torch.Tensor, table: torch.Tensor, rows: 
     """A block's work after its attention: the gated attention residual, then the modulated, gated MLP residual ->
     x `[S, C]`."""
     x, base, down = mlp_inputs(block, x, table, rows, attn_out)
-    up, scale = lora_up(block.mlp.fc1) if down is not None else (None, 0.0)
+    up, scale = lora_up(block.mlp.fc1, down)
     if fused_kernels(base):
         act = lora_kernels().swiglu(base, down, up, scale)
     else:
-        act = swiglu(base if down is None else base + F.linear(down, up) * scale)
+        act = swiglu(with_branch(base, down, up, scale))
     return mlp_residual(block, x, table, rows, act)
 
 
@@ -457,10 +457,19 @@ def lora_down(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return base(x), linear.lora_A[name](x)
 
 
-def lora_up(linear: nn.Module) -> tuple[torch.Tensor, float]:
-    """The up-projection B `[out, rank]` and the scale of `linear`'s LoRA side branch."""
+def lora_up(linear: nn.Module, down: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+    """The up-projection B `[out, rank]` and the scale of `linear`'s LoRA side branch; (None, 0.0) where
+    `lora_down` found the branch off (`down` None)."""
+    if down is None:
+        return None, 0.0
     (name,) = linear.active_adapters
     return linear.lora_B[name].weight, linear.scaling[name]
+
+
+def with_branch(base: torch.Tensor, down: torch.Tensor | None, up: torch.Tensor | None, scale: float
+                ) -> torch.Tensor:
+    """base + scale * B (A x), as peft computes a LoRA linear: the plain-torch reference of the kernels."""
+    return base if down is None else base + F.linear(down, up) * scale
 
 
 def fused_kernels(base: torch.Tensor, head_dim: int | None = None) -> bool:
