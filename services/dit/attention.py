@@ -19,7 +19,7 @@ import torch
 
 from services.dit.kv_cache import CleanAVKVCache
 from services.dit.layout import PackedLayout
-from services.dit.model import sdpa_rows
+from services.dit.attention_kernels import sdpa_rows
 
 
 class StreamingAttention:

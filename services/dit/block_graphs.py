@@ -28,7 +28,8 @@ import torch
 
 from services.common.cuda_graphs import CudaGraphBank, GraphKey
 from services.dit.lora import LoRAAdapter
-from services.dit.model import DiT, ShardedAttend, attention_inputs, residual_branches
+from services.dit.model import DiT, attention_inputs, residual_branches
+from services.dit.shard import ShardedAttend
 
 
 @dataclass

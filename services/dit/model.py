@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from dataclasses import dataclass, fields
 from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.dit.adaln_cache import AdaLNCacheReport, install_adaln_cache
+from services.dit.attention_kernels import sdpa_rows
 from services.dit.fused import cuda_compiled, gated_residual, norm_modulate, qk_norm_rope, rms_norm, swiglu
 from services.dit.layout import NUM_MODALITIES, PackedLayout
+from services.dit.shard import NoShard, SequenceShard, ShardedAttend, pack_head_groups
 
 # Parameters the shipped checkpoint keeps in float32 (prefixes of the original key names).
 FP32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
@@ -119,123 +119,6 @@ class AttentionPattern(Protocol):
     strided view (last dim contiguous): under Ulysses they are the three planes of the receive buffer."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-
-
-class ShardedAttend(Protocol):
-    """One block's attention inside a sequence shard: `inner(q, k, v)` over every row for this rank's heads, wrapped
-    in what moves rows between ranks."""
-
-    degree: int
-    """Ranks of the shard: the head groups of `send`."""
-
-    def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
-        """q, k, v of this rank's rows, laid out by `pack_head_groups` (`send` `[degree, R, 3, H / degree, D]`) ->
-        the attention output, written into `out` `[R, H, D]`."""
-
-
-class SequenceShard(Protocol):
-    """Splits the packed sequence across ranks before the blocks and gathers it before the heads (dim 0); wraps
-    each block's attention (`ShardedAttend`). `degree` ranks each hold H / degree heads inside the attention."""
-
-    degree: int
-
-    def split(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def attend(self, inner: Callable[..., torch.Tensor]) -> ShardedAttend: ...
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
-
-
-def pack_head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write q, k, v into `out` so that head group g of every row, q, k and v together, is the contiguous `out[g]`:
-    what a Ulysses all-to-all sends to rank g, and after it a layout the attention reads in place."""
-    # q, k, v: [R, H, D] -> out: [G, R, 3, H/G, D]
-    for t, x in enumerate((q, k, v)):
-        out[:, :, t].copy_(x.unflatten(1, (out.shape[0], -1)).transpose(0, 1))
-    return out
-
-
-class LocalAttend:
-    """`ShardedAttend` of a single device: the inner attention over all rows and heads, nothing moved."""
-
-    degree = 1
-
-    def __init__(self, inner: Callable[..., torch.Tensor]):
-        self.inner = inner
-
-    def packed(self, send: torch.Tensor, out: torch.Tensor) -> None:
-        # send: [1, R, 3, H, D] -> out: [R, H, D]
-        out.copy_(self.inner(send[0, :, 0], send[0, :, 1], send[0, :, 2]))
-
-
-class NoShard:
-    """Identity `SequenceShard` (single device)."""
-
-    degree = 1
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def attend(self, inner: Callable[..., torch.Tensor]) -> LocalAttend:
-        return LocalAttend(inner)
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
-_CUDNN_FIRST = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                SDPBackend.MATH)
-SDPA_ORDERS = {"default": None, "cudnn": _CUDNN_FIRST, "fa4": _CUDNN_FIRST}
-"""`dit.attention` -> the order this process tries SDPA kernels in (None: torch's own choice). The kernels after
-the first are fallbacks for inputs it cannot take. With `fa4`, SDPA serves the calls FlashAttention 4 does not take
-(masked keys, CPU tensors, float32)."""
-_HELD_SDPA_ORDERS: list = []
-_FLASH_ATTENTION_4: list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = []
-"""FlashAttention 4's forward, once `prefer_attention_kernels("fa4")` loaded it in this process."""
-
-
-def load_flash_attention_4() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """FlashAttention 4's forward (`flash_attn.cute.flash_attn_func`, CuTe DSL kernels compiled at first use)."""
-    # its argument adapter warns once per compiled kernel about an argument it passes at compile time anyway
-    warnings.filterwarnings("ignore", message="Argument aux_data .* cannot be converted to a JitArgument")
-    try:
-        from flash_attn.cute import flash_attn_func
-    except ImportError as e:  # also a CuTe DSL that does not load
-        raise RuntimeError(f"dit.attention: fa4 needs FlashAttention 4 (the flash_attn.cute package: flash-attn-4 and "
-                           f"nvidia-cutlass-dsl, as deploy/Dockerfile installs them), which does not import here "
-                           f"({e}); install it or set dit.attention: cudnn") from e
-    return flash_attn_func
-
-
-def prefer_attention_kernels(name: str) -> None:
-    """Make `name` (a `dit.attention` value) the attention kernels of this whole process (every thread), for good.
-
-    Sets the SDPA kernel order `SDPA_ORDERS[name]`, which torch keeps in process-global state, so each DiT rank calls
-    this for itself; `fa4` also loads FlashAttention 4 for `sdpa_rows`' unmasked CUDA calls.
-    """
-    if name not in SDPA_ORDERS:
-        raise ValueError(f"unknown attention kernels {name!r}: use one of {sorted(SDPA_ORDERS)}")
-    if name == "fa4" and not _FLASH_ATTENTION_4:
-        _FLASH_ATTENTION_4.append(load_flash_attention_4())
-    if SDPA_ORDERS[name] is not None:
-        held = sdpa_kernel(list(SDPA_ORDERS[name]), set_priority=True)
-        held.__enter__()  # never exited; kept referenced, as collecting the context would restore the old order
-        _HELD_SDPA_ORDERS.append(held)
-
-
-def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None
-              ) -> torch.Tensor:
-    """Attention of q rows over k/v rows; keys where `key_valid` is False take no part."""
-    # q: [Sq, H, D], k/v: [Sk, H, D], key_valid: [Sk] bool -> [Sq, H, D]
-    if (_FLASH_ATTENTION_4 and key_valid is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[0] and k.shape[0] and not torch.compiler.is_compiling()):
-        # [1, S, H, D] views (FlashAttention 4 needs only the last dim contiguous) -> out [1, Sq, H, D]
-        return _FLASH_ATTENTION_4[0](q[None], k[None], v[None])[0][0]
-    # 4-D [1, H, S, D] views (last dim contiguous) so the flash / memory-efficient kernels apply
-    mask = None if key_valid is None else key_valid[None, None, None, :]  # [1, 1, 1, Sk]
-    out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
-                                         attn_mask=mask)
-    return out.transpose(1, 2)[0]
 
 
 class FullAttention:

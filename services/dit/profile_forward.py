@@ -22,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 from services.dit.bench_forward import Geometry, HistoryAttention, _phase, _time, analytic_flops
 from services.dit.fp8 import quantize_linears
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, SDPA_ORDERS, build_random, prefer_attention_kernels
+from services.dit.attention_kernels import SDPA_ORDERS, prefer_attention_kernels
+from services.dit.model import PRESETS, build_random
 from services.gpu_trace import category, host_and_device_ms
 
 log = logging.getLogger("services.dit.profile_forward")

@@ -23,7 +23,8 @@ from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, DiT, FullAttention, build_random, prefer_attention_kernels
+from services.dit.attention_kernels import prefer_attention_kernels
+from services.dit.model import PRESETS, DiT, FullAttention, build_random
 from services.dit.runtime import DiTRuntime, block_graph_shapes
 from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from services.dit.model import DiT, NoShard
+from services.dit.model import DiT
+from services.dit.shard import NoShard
 
 log = logging.getLogger(__name__)
 

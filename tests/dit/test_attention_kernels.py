@@ -21,7 +21,7 @@ def run(code: str) -> str:
 def test_cudnn_goes_first_for_the_whole_process_and_default_changes_nothing():
     out = run(ORDER + """
 import json, threading
-from services.dit.model import prefer_attention_kernels
+from services.dit.attention_kernels import prefer_attention_kernels
 before = order()
 prefer_attention_kernels("default")
 assert order() == before, order()
@@ -38,7 +38,7 @@ print(json.dumps([before, order(), seen[0]]))
 
 @pytest.mark.cpu
 def test_unknown_order_is_named():
-    from services.dit.model import prefer_attention_kernels
+    from services.dit.attention_kernels import prefer_attention_kernels
 
     with pytest.raises(ValueError, match="unknown attention kernels 'flash3'"):
         prefer_attention_kernels("flash3")
@@ -53,7 +53,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from services.dit.layout import pack_layout
-from services.dit.model import PRESETS, FullAttention, build_random, prefer_attention_kernels
+from services.dit.attention_kernels import prefer_attention_kernels
+from services.dit.model import PRESETS, FullAttention, build_random
 
 args = PRESETS["tiny"]
 model = build_random(args, "cuda", torch.bfloat16, seed=0)
@@ -95,7 +96,7 @@ def test_cudnn_attention_reads_q_k_v_in_place_in_the_ulysses_receive_buffer():
     torch.cuda.is_available() or pytest.skip("needs a CUDA GPU")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from services.dit.model import sdpa_rows
+    from services.dit.attention_kernels import sdpa_rows
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     recv = torch.randn(2048, 3, 28, 96, device="cuda", dtype=torch.bfloat16, generator=gen)  # full preset's USP2 heads
@@ -131,7 +132,7 @@ def test_fa4_without_its_package_is_refused_naming_the_package_and_the_way_out()
     if _fa4_importable():
         pytest.skip("FlashAttention 4 is installed here")
     out = run(ORDER + """
-from services.dit.model import prefer_attention_kernels
+from services.dit.attention_kernels import prefer_attention_kernels
 before = order()
 try:
     prefer_attention_kernels("fa4")
@@ -147,7 +148,7 @@ except RuntimeError as e:
 
 FA4_CASES = """
 import torch
-from services.dit.model import prefer_attention_kernels, sdpa_rows, _FLASH_ATTENTION_4
+from services.dit.attention_kernels import prefer_attention_kernels, sdpa_rows, _FLASH_ATTENTION_4
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -221,15 +222,15 @@ SESSION = """
 import sys, torch
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
 from services.dit.lora import LoRAAdapter
-from services.dit import model as dit_model
+from services.dit import attention_kernels, model as dit_model
 from services.dit.runtime import DiTRuntime
 
 kernels, adapter_dir, out = sys.argv[1:4]
-dit_model.prefer_attention_kernels(kernels)
+attention_kernels.prefer_attention_kernels(kernels)
 calls = []
 if kernels == "fa4":
-    inner = dit_model._FLASH_ATTENTION_4[0]
-    dit_model._FLASH_ATTENTION_4[0] = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
+    inner = attention_kernels._FLASH_ATTENTION_4[0]
+    attention_kernels._FLASH_ATTENTION_4[0] = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
 args = dit_model.PRESETS["tiny"]
 model = dit_model.build_random(args, "cuda", torch.bfloat16, seed=0)
 rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16), LoRAAdapter.load(model, adapter_dir))

@@ -18,7 +18,8 @@ from services.dit.fp8 import relative_error
 from services.dit.fused import qk_norm_rope, swiglu
 from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, FullAttention, build_random, pack_head_groups
+from services.dit.model import PRESETS, FullAttention, build_random
+from services.dit.shard import pack_head_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [  # rows, heads, head size, RoPE channels, rank, head groups

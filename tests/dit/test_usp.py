@@ -21,7 +21,8 @@ from services.dit.geometry import Canvas
 from services.dit.group import DiTGroup, GroupFailed
 from services.dit.launch import GroupOptions, free_port, rank_device_env
 from services.dit.layout import pack_layout
-from services.dit.model import PRESETS, DiT, FullAttention, build_random, pack_head_groups
+from services.dit.model import PRESETS, DiT, FullAttention, build_random
+from services.dit.shard import pack_head_groups
 from services.dit.runtime import DiTRuntime, block_graph_shapes
 from services.dit.sp import UlyssesAttend, heads_to_rows, install_ulysses, out_to_rows
 

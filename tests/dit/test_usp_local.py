@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from services.dit import sp
 from services.dit.layout import pack_layout
-from services.dit.model import PRESETS, FullAttention, NoShard, build_random
+from services.dit.model import PRESETS, FullAttention, build_random
+from services.dit.shard import NoShard
 
 pytestmark = pytest.mark.cpu
 ARGS = PRESETS["tiny"]
