@@ -40,10 +40,9 @@ def streaming_shapes(text_rows: int = 400, history_rows: int = 13000) -> list[At
     shapes = []
     for phase, history in ((plan_request(1).phases[0], history_rows), (plan_request(1).phases[3], history_rows),
                            (plan_request(0).phases[0], 0)):
-        latents = phase.num_latents
-        media = latents * canvas.rows_per_frame + 2 * phase.num_audio_latents
+        media = phase.media_rows(canvas)
         for ranks in (2, 1):
-            shapes.append(AttentionShape(f"{latents} latents, {'USP2 rank' if ranks == 2 else 'one GPU'}",
+            shapes.append(AttentionShape(f"{phase.num_latents} latents, {'USP2 rank' if ranks == 2 else 'one GPU'}",
                                          heads // ranks, media, history + media + text_rows))
     return shapes
 

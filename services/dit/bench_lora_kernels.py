@@ -40,7 +40,7 @@ def streaming_shapes() -> list[KernelShape]:
     canvas = check_canvas(864, 480, (480,))
     shapes = []
     for phase in (plan_request(1).phases[0], plan_request(1).phases[3]):
-        media = phase.num_latents * canvas.rows_per_frame + 2 * phase.num_audio_latents
+        media = phase.media_rows(canvas)
         for ranks in (2, 1):
             shapes.append(KernelShape(f"{phase.num_latents} latents, {'USP2 rank' if ranks == 2 else 'one GPU'}",
                                       -(-media // ranks), ranks))

@@ -73,6 +73,10 @@ class PhasePlan:
         """Audio samples per channel the phase's latents decode to."""
         return self.num_audio_latents * SAMPLES_PER_AUDIO_LATENT
 
+    def media_rows(self, canvas: Canvas) -> int:
+        """Packed media rows of the phase on `canvas`: its video latents' rows and two audio channels' latents."""
+        return self.num_latents * canvas.rows_per_frame + 2 * self.num_audio_latents
+
 
 @dataclass(frozen=True)
 class RequestPlan:
@@ -158,7 +162,7 @@ def max_phase_media_rows(canvas: Canvas) -> int:
     best = 0
     for k in (0, 1, 2, 3):  # request 0 is the largest; later requests cycle 198/199 audio latents
         for ph in plan_request(k).phases:
-            best = max(best, 2 * ph.num_audio_latents + ph.num_latents * canvas.rows_per_frame)
+            best = max(best, ph.media_rows(canvas))
     return best
 
 
@@ -168,5 +172,5 @@ def max_later_phase_media_rows(canvas: Canvas) -> int:
     for k in (0, 1, 2, 3):
         for ph in plan_request(k).phases:
             if (k, ph.phase_index) != (0, 0):
-                best = max(best, 2 * ph.num_audio_latents + ph.num_latents * canvas.rows_per_frame)
+                best = max(best, ph.media_rows(canvas))
     return best

@@ -47,8 +47,7 @@ class CommitRecord:
 
 def kv_capacity(canvas: Canvas, max_text_tokens: int) -> int:
     """Rows per layer buffer: the whole first commit + 2 later commits + a phase's work area (media + text)."""
-    first = plan_request(0).phases[0]
-    first_rows = 2 * first.num_audio_latents + first.num_latents * canvas.rows_per_frame
+    first_rows = plan_request(0).phases[0].media_rows(canvas)
     later = max_later_phase_media_rows(canvas)
     return first_rows + RECENT_COMMITS * later + max(first_rows, later) + max_text_tokens
 

@@ -75,8 +75,7 @@ def _block_shapes(canvases: Sequence[Canvas], ulysses_degree: int, phases: slice
     for canvas in canvases:
         for plan in plans_of_every_shape():
             for ph in plan.phases[phases]:
-                media = 2 * ph.num_audio_latents + ph.num_latents * canvas.rows_per_frame
-                rows.update(padded_rows(text + media) // ulysses_degree for text in text_rows)
+                rows.update(padded_rows(text + ph.media_rows(canvas)) // ulysses_degree for text in text_rows)
     return sorted((r, n) for r in rows for n in slots)
 
 
