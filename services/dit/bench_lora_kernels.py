@@ -4,20 +4,22 @@
 For each shape (the media rows of a steady phase, 10 and 5 latents at 480×864, per USP2 rank and on one GPU; the
 audio teacher's document per USP2 rank), `lora_kernels.qkv_heads` with the LoRA branch and without it, and
 `lora_kernels.swiglu` with it, on random BF16 inputs of the full model's sizes. Beside each, its floor: the bytes it
-must move (read the base output, write its result) at the copy bandwidth measured in the same run. Prints median
-device times. Knows nothing about sessions.
+must move (read the base output, write its result) at the copy bandwidth measured in the same run. Prints the
+median device time of one call, timed over back-to-back calls replayed as a CUDA graph: timing single launches
+would add the host's launch latency (tens of microseconds) to kernels of that size. Knows nothing about sessions.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from services.dit import lora_kernels
 from services.dit.geometry import check_canvas, plan_request
 from services.dit.model import PRESETS
-from services.dit.probe import time_call
 
 RANK = 128
 """TaoMate's LoRA rank."""
@@ -48,16 +50,36 @@ def streaming_shapes() -> list[KernelShape]:
     return shapes
 
 
+def replayed_seconds(fn: Callable[[], object], calls: int, runs: int) -> float:
+    """Median seconds of one `fn()` (CUDA), from `runs` replays of a graph of `calls` back-to-back calls."""
+    fn()  # compiles and warms up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(runs + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times[1:])  # the first replay warms up
+
+
 def copy_bandwidth(dev: torch.device, runs: int) -> float:
     """Bytes per second read and written by a device-to-device copy of 336 MiB."""
     src = torch.ones(8192, 3 * PRESETS["full"].inner_dim, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / time_call(lambda: dst.copy_(src), dev, runs)
+    return 2 * src.numel() * src.element_size() / replayed_seconds(lambda: dst.copy_(src), 5, runs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--runs", type=int, default=7, help="graph replays per figure")
+    parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per graph")
     opts = parser.parse_args()
     dev, args = torch.device("cuda"), PRESETS["full"]
     heads, dim, qkv_cols, fc1_cols = args.num_heads, args.head_dim, 3 * args.inner_dim, 2 * args.ffn_hidden
@@ -81,9 +103,9 @@ def main() -> None:
             lora_kernels.qkv_heads(base, down if branch else None, up_qkv if branch else None, 1.0, q_weight,
                                    k_weight, args.qk_norm_eps, cos, sin, send)
 
-        qkv_ms = time_call(lambda: qkv(True), dev, opts.runs) * 1e3
-        plain_ms = time_call(lambda: qkv(False), dev, opts.runs) * 1e3
-        fc1_ms = time_call(lambda: lora_kernels.swiglu(fc1, down, up_fc1, 1.0), dev, opts.runs) * 1e3
+        qkv_ms = replayed_seconds(lambda: qkv(True), opts.calls, opts.runs) * 1e3
+        plain_ms = replayed_seconds(lambda: qkv(False), opts.calls, opts.runs) * 1e3
+        fc1_ms = replayed_seconds(lambda: lora_kernels.swiglu(fc1, down, up_fc1, 1.0), opts.calls, opts.runs) * 1e3
         qkv_floor = 2 * base.numel() * 2 / bandwidth * 1e3  # read base, write send
         fc1_floor = 1.5 * fc1.numel() * 2 / bandwidth * 1e3  # read [S, 2F], write [S, F]
         print(f"{shape.name:22s} {rows:5d} {qkv_ms:7.3f} {plain_ms:9.3f} {qkv_floor:6.3f} {fc1_ms:7.3f} "
