@@ -223,7 +223,8 @@ def fp8_error_report(model: nn.Module, run: Callable[[nn.Module], object], ignor
     """Quantise `model` (in place) and measure FP8 against BF16 on the same inputs.
 
     `run(model)` performs one forward and returns its output. It is called once before quantisation, capturing
-    each target linear's input (first `max_rows` rows) and BF16 output, then once after.
+    each target linear's input (first `max_rows` rows) and BF16 output, then once after. Both forwards run eagerly,
+    compiled block regions included: the capture hooks would not fire inside code compiled before they were added.
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None:
@@ -243,7 +244,7 @@ def fp8_error_report(model: nn.Module, run: Callable[[nn.Module], object], ignor
                 captured[name] = (x.detach().clone(), output.reshape(-1, output.shape[-1])[:max_rows].detach().clone())
         hooks.append(base.register_forward_hook(hook))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             ref = _flat_output(run(model))
     finally:
         for h in hooks:
@@ -257,5 +258,6 @@ def fp8_error_report(model: nn.Module, run: Callable[[nn.Module], object], ignor
             x, y_ref = captured[name]
             fp8 = getattr(model.get_submodule(name), "base_layer", model.get_submodule(name))
             layers[name] = relative_error(fp8(x), y_ref)
-        got = _flat_output(run(model))
+        with torch.compiler.set_stance("force_eager"):
+            got = _flat_output(run(model))
     return Fp8ErrorReport(layers=layers, forward=relative_error(got, ref), quantize=report)
