@@ -11,7 +11,6 @@ would add the host's launch latency (tens of microseconds) to kernels of that si
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +19,7 @@ import torch
 from services.dit import lora_kernels
 from services.dit.geometry import check_canvas, plan_request
 from services.dit.model import PRESETS
+from services.dit.probe import time_call
 
 RANK = 128
 """TaoMate's LoRA rank."""
@@ -58,15 +58,7 @@ def replayed_seconds(fn: Callable[[], object], calls: int, runs: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(runs + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times[1:])  # the first replay warms up
+    return time_call(graph.replay, torch.device("cuda"), runs) / calls
 
 
 def copy_bandwidth(dev: torch.device, runs: int) -> float:
