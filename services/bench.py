@@ -31,6 +31,7 @@ from services.bench_vae import NoVAE, VAEStage
 from services.common.config import (ATTENTION_KERNELS, DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig,
                                     load_profile)
 from services.common.cuda_graphs import PromptBuckets
+from services.common.gpu_budget import budgets
 from services.common.media import VIDEO_FPS
 from services.common.transport import TensorAssembler, tensor_to_parts
 from services.dit.api import PromptUpdate, SessionConfig
@@ -330,6 +331,11 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
     if torch.cuda.is_available():
         lines.append(f"peak GPU memory of this process: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
                      f"allocated, {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
+    if opts.profile is not None:  # what "GiB in use per GPU" above should stay within
+        shares = budgets(load_profile(opts.profile))
+        lines.append("GPU memory the profile's stages declare (memory_gib, all stages on a GPU together): "
+                     + (", ".join(f"{device} {sum(parts.values()):g} GiB" for device, parts in shares.items())
+                        or "none"))
     return "\n".join(lines)
 
 

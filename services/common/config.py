@@ -74,9 +74,13 @@ class EncoderConfig:
     prompt is padded at the end to its bucket, which a causal stack ignores."""
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS
     """Prompt lengths (tokens) the graphs are captured for, increasing; the largest must hold max_tokens."""
+    memory_gib: float = 0
+    """This stage's share of `device`'s memory in GiB (0: none declared), checked at start-up with the other
+    stages' shares on that GPU (services/common/gpu_budget.py)."""
 
     def __post_init__(self):
         _check_dtype("encoder.dtype", self.dtype)
+        _check_budget("encoder.memory_gib", self.memory_gib)
         if self.max_tokens < 1:
             raise ValueError(f"encoder.max_tokens={self.max_tokens}: must be ≥ 1")
         _check_ipc("encoder", self.cuda_ipc, self.ipc_slot_mib, self.ipc_slots, min_slots=1)
@@ -160,12 +164,16 @@ class DiTConfig:
     ipc_slots: int = 0
     """Slots of the pool; 0 means 2 x (max_phases_ahead + 1): the video and audio latents of every phase the
     VAE may hold unreleased, plus one phase. See `ipc_pool_slots`."""
+    memory_gib: float = 0
+    """Each rank's share of its device's memory in GiB (0: none declared), checked at start-up with the other
+    stages' shares on that GPU (services/common/gpu_budget.py)."""
 
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "canvas_short_edges", tuple(self.canvas_short_edges))
         object.__setattr__(self, "prompt_buckets", tuple(self.prompt_buckets))
         _check_dtype("dit.dtype", self.dtype)
+        _check_budget("dit.memory_gib", self.memory_gib)
         if len(self.devices) not in (1, 2, 4):
             raise ValueError(f"dit.devices={list(self.devices)}: the USP degree must be 1, 2 or 4")
         if not self.canvas_short_edges:
@@ -225,9 +233,16 @@ class VAEConfig:
     cuda_graphs: bool = False
     """Capture the audio decoder (a vocoder of many small kernels, decoded in the VAE's audio thread) as one CUDA
     graph per phase size at start-up (CUDA only); the replay equals the eager decode bitwise."""
+    memory_gib: float = 0
+    """This stage's share of `device`'s memory in GiB (0: none declared): both decoders, the tiles decoded there,
+    the muxer's frames. Checked at start-up with the other stages' shares (services/common/gpu_budget.py)."""
+    tile_memory_gib: float = 0
+    """Its share of each of `tile_devices`' memory in GiB (0: none declared): a video decoder's copy and its tiles."""
 
     def __post_init__(self):
         _check_dtype("vae.dtype", self.dtype)
+        _check_budget("vae.memory_gib", self.memory_gib)
+        _check_budget("vae.tile_memory_gib", self.tile_memory_gib)
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"vae.cuda_graphs is true but vae.device is {self.device!r}: graphs need CUDA")
         if not isinstance(self.compile_blocks, bool):
@@ -291,6 +306,11 @@ def bucket_sizes_error(sizes: tuple[int, ...]) -> str:
     if list(sizes) != sorted(set(sizes)):
         return "must be strictly increasing"
     return ""
+
+
+def _check_budget(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e6:
+        raise ValueError(f"{name}={value!r}: must be a number of GiB >= 0 (0: no share declared)")
 
 
 def _check_dtype(name: str, value: str) -> None:

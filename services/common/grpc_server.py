@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 import prometheus_client
 
 from services.common.config import Profile, load_profile
+from services.common.gpu_budget import check_fits
 from services.common.logging_setup import configure_logging
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
 def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Register) -> None:
     """Entry point of a stage: `python -m services.<name> --profile P [--port N] [--device D]`.
 
-    `--device` overrides `<name>.device` (encoder and VAE; the DiT's devices come from the profile only).
+    `--device` overrides `<name>.device` (encoder and VAE; the DiT's devices come from the profile only). Before
+    anything loads, the profile's memory shares on the stage's GPUs must fit them (`gpu_budget.check_fits`).
     """
     parser = argparse.ArgumentParser(description=f"vitascope {name} stage")
     parser.add_argument("--profile", required=True, help="deployment profile YAML (configs/*.yaml)")
@@ -133,5 +135,6 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     configure_logging(name)
     device = getattr(args, "device", None)
     profile = load_profile(args.profile, {name: {"device": device}} if device else None)
+    check_fits(profile, name)
     port = args.port or profile.endpoints.port_of(name)
     asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port, getattr(profile, name).metrics_port))

@@ -72,6 +72,8 @@ def test_bench_takes_its_options_from_a_profile():
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.startswith("canvas 320x192, 1 requests, fp8=False")  # the profile's default canvas
+    assert run.stdout.rstrip().endswith("GPU memory the profile's stages declare (memory_gib, all stages on a GPU "
+                                        "together): none")  # a CPU profile declares no GPU shares
     clash = subprocess.run([sys.executable, "-m", "services.bench", "--profile", "configs/tiny_cpu.yaml", "--fp8"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert clash.returncode == 2 and "--profile sets --fp8 itself" in clash.stderr
