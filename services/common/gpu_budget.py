@@ -4,8 +4,8 @@ Each stage section declares its share (`encoder.memory_gib`, `dit.memory_gib` pe
 `vae.tile_memory_gib` per tile device). A stage checks at start-up, before it loads anything, that the shares of
 every stage placed on its GPUs fit in those GPUs (`check_fits`). A node whose GPUs are too small then fails at
 once, with the numbers, instead of running out of memory minutes into loading or in the middle of a session.
-The shares are not enforced while serving. Torch is imported only to read the GPUs' sizes, so the gateway can
-import this module.
+The shares are not enforced while serving. Torch is imported only inside `check_fits`: the gateway imports
+`grpc_server`, which imports this module, and the gateway runs without torch.
 """
 from __future__ import annotations
 
