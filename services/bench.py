@@ -274,7 +274,8 @@ def first_chunk_parts(first: dict, ttfc: float, teacher_beside: bool) -> str:
     return f"{shown} = {ttfc:.3f} s"
 
 
-def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: dict) -> str:
+def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: dict,
+              shares: dict[str, dict[str, float]] | None) -> str:
     lines = [f"canvas {opts.width}x{opts.height}, {opts.requests} requests, fp8={opts.fp8}, "
              f"adaln_cache={opts.adaln_cache}, merge_lora={opts.merge_lora}, cuda_graphs={opts.cuda_graphs}, "
              f"teacher_sharded={opts.teacher_sharded}, teacher_overlap={opts.teacher_overlap}, "
@@ -331,8 +332,7 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
     if torch.cuda.is_available():
         lines.append(f"peak GPU memory of this process: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
                      f"allocated, {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
-    if opts.profile is not None:  # what "GiB in use per GPU" above should stay within
-        shares = budgets(load_profile(opts.profile))
+    if shares is not None:  # the profile's: what "GiB in use per GPU" above should stay within
         lines.append("GPU memory the profile's stages declare (memory_gib, all stages on a GPU together): "
                      + (", ".join(f"{device} {sum(parts.values()):g} GiB" for device, parts in shares.items())
                         or "none"))
@@ -457,9 +457,13 @@ def main() -> None:
         if given:
             parser.error(f"--profile sets {', '.join(given)} itself; drop them or leave out --profile")
         try:
-            vars(opts).update(profile_options(load_profile(opts.profile)))
+            served = load_profile(opts.profile)
+            vars(opts).update(profile_options(served))
         except ValueError as e:
             parser.error(str(e))
+        shares = budgets(served)
+    else:
+        shares = None
     if not -1 <= opts.trace_request < opts.requests:
         parser.error(f"--trace-request {opts.trace_request}: the session has requests 0..{opts.requests - 1}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -486,7 +490,8 @@ def main() -> None:
     gpus = profile.dit.usp_degree
     del runtime
     gc.collect()
-    print(summarize(opts, records, ttfc, warm_ttfc, startup, gpus=gpus, warm_first=warm[0]), flush=True)
+    print(summarize(opts, records, ttfc, warm_ttfc, startup, gpus=gpus, warm_first=warm[0], shares=shares),
+          flush=True)
     if trace is not None:
         print("\n".join([f"request {opts.trace_request} traced (this process's GPU kernels: DiT rank 0 and its "
                           "teacher worker; other ranks and the VAE process are not seen):", *trace.summary()]),

@@ -16,28 +16,28 @@ from services.common.config import Profile
 GIB = 1 << 30
 
 
+def placements(profile: Profile) -> list[tuple[str, str, str, float]]:
+    """(stage, part, device, GiB) of every place a stage of `profile` runs: the encoder, each DiT rank, the VAE and
+    each device it shares tiles with."""
+    enc, dit, vae = profile.encoder, profile.dit, profile.vae
+    return ([("encoder", "encoder", enc.device, enc.memory_gib)]
+            + [("dit", f"dit rank {r}", d, dit.memory_gib) for r, d in enumerate(dit.devices)]
+            + [("vae", "vae", vae.device, vae.memory_gib)]
+            + [("vae", "vae tiles", d, vae.tile_memory_gib) for d in vae.tile_devices])
+
+
 def budgets(profile: Profile) -> dict[str, dict[str, float]]:
     """CUDA device -> {stage part: GiB} for every declared (non-zero) share of `profile`."""
-    parts: list[tuple[str, str, float]] = [("encoder", profile.encoder.device, profile.encoder.memory_gib)]
-    parts += [(f"dit rank {r}", d, profile.dit.memory_gib) for r, d in enumerate(profile.dit.devices)]
-    parts.append(("vae", profile.vae.device, profile.vae.memory_gib))
-    parts += [("vae tiles", d, profile.vae.tile_memory_gib) for d in profile.vae.tile_devices]
     out: dict[str, dict[str, float]] = {}
-    for part, device, gib in parts:
+    for _, part, device, gib in placements(profile):
         if gib and device.startswith("cuda"):
             out.setdefault(_canonical(device), {})[part] = gib
     return out
 
 
-def stage_devices(profile: Profile, stage: str) -> tuple[str, ...]:
+def stage_devices(profile: Profile, stage: str) -> list[str]:
     """The devices `stage` ("encoder", "dit" or "vae") runs on."""
-    if stage == "encoder":
-        return (profile.encoder.device,)
-    if stage == "dit":
-        return profile.dit.devices
-    if stage == "vae":
-        return (profile.vae.device, *profile.vae.tile_devices)
-    raise ValueError(f"unknown stage {stage!r}: use encoder, dit or vae")
+    return [device for name, _, device, _ in placements(profile) if name == stage]
 
 
 def fit_error(profile: Profile, stage: str, sizes_gib: Mapping[str, float]) -> str:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from services.dit.attention_kernels import sdpa_rows
 from services.dit.kv_cache import CleanAVKVCache
 from services.dit.layout import PackedLayout
-from services.dit.attention_kernels import sdpa_rows
 
 
 class StreamingAttention:

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from services.dit.geometry import check_canvas, plan_request
 from services.dit.attention_kernels import load_flash_attention_4, sdpa_rows
+from services.dit.geometry import check_canvas, plan_request
 from services.dit.model import PRESETS
 from services.dit.probe import time_call
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.dit.layout import PackedLayout, pack_layout
 from services.dit.attention_kernels import sdpa_rows
+from services.dit.layout import PackedLayout, pack_layout
 from services.dit.model import PRESETS, DiT, ModelArgs, build_random
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
+from services.dit.attention_kernels import SDPA_ORDERS, prefer_attention_kernels
 from services.dit.bench_forward import Geometry, HistoryAttention, _phase, _time, analytic_flops
 from services.dit.fp8 import quantize_linears
 from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.attention_kernels import SDPA_ORDERS, prefer_attention_kernels
 from services.dit.model import PRESETS, build_random
 from services.gpu_trace import category, host_and_device_ms
 
