@@ -71,11 +71,13 @@ class ProcessConsumer:
 
 class SessionLeases:
     """The slots of one producer leased to one consumer session: `send` leases, `release` checks a release against
-    this session's leases, `close` takes back what the session still holds (thread-safe)."""
+    this session's leases, `close` takes back what the session still holds (thread-safe). A session's sends may run
+    on in a worker thread after its call ended: once closed, whatever they lease is taken back at once."""
 
     def __init__(self, producer: IpcProducer, peer: str):
         self.producer, self.peer = producer, peer
         self._held: set[tuple[int, int]] = set()  # (slot, generation) leased to this session
+        self._closed = False
         self._lock = threading.Lock()
 
     @property
@@ -83,11 +85,21 @@ class SessionLeases:
         return len(self._held)
 
     def send(self, tensor: torch.Tensor) -> list[pb.TensorPart]:
-        """One IPC part for `tensor` (or host parts when it cannot go by IPC; see `send_tensor`)."""
+        """One IPC part for `tensor` (or host parts when it cannot go by IPC; see `send_tensor`); an IpcError once
+        the session is closed."""
+        if self._closed:
+            raise IpcError("the session ended: nothing more is sent to it")
         parts = send_tensor(tensor, self.producer, self.peer)
         if parts[0].WhichOneof("where") == "cuda":
+            key = (parts[0].cuda.slot, parts[0].cuda.generation)
             with self._lock:
-                self._held.add((parts[0].cuda.slot, parts[0].cuda.generation))
+                closed = self._closed
+                if not closed:
+                    self._held.add(key)
+            if closed:  # closed while the export ran: nobody will release this slot
+                self.producer.ledger.reclaim(*key)
+                metrics.IPC_LEASED_SLOTS.labels(peer=self.peer).set(self.producer.leased)
+                raise IpcError("the session ended while a tensor was exported to it: its slot was taken back")
         metrics.IPC_LEASED_SLOTS.labels(peer=self.peer).set(self.producer.leased)
         return parts
 
@@ -107,7 +119,7 @@ class SessionLeases:
     def close(self) -> int:
         """The session ended: take back every slot it still holds; returns how many."""
         with self._lock:
-            held, self._held = self._held, set()
+            held, self._held, self._closed = self._held, set(), True
         taken = sum(self.producer.ledger.reclaim(slot, gen) for slot, gen in held)
         metrics.IPC_LEASED_SLOTS.labels(peer=self.peer).set(self.producer.leased)
         return taken

@@ -51,6 +51,7 @@ class TensorAssembler:
         self.name = name
         self._chunks: list[bytes] = []
         self._meta: pb.TensorMeta | None = None
+        self._count = self._expected = self._received = 0  # the tensor under way: parts and bytes announced, bytes in
 
     def add(self, part: pb.TensorPart) -> torch.Tensor | None:
         """Append one part; return the finished tensor on the last part, else None."""
@@ -70,9 +71,19 @@ class TensorAssembler:
             if chunk.count != max(1, -(-expected // MAX_PART_BYTES)):
                 raise TransportError(f"{self.name}: {chunk.count} parts announced for {expected} bytes "
                                      f"(parts hold {MAX_PART_BYTES} bytes)")
+            self._count, self._expected, self._received = chunk.count, expected, 0
+        elif chunk.count != self._count:
+            raise TransportError(f"{self.name}: part {chunk.index} announces {chunk.count} parts, the first "
+                                 f"announced {self._count}")
+        last = chunk.index + 1 == chunk.count
+        size = self._expected - self._received if last else MAX_PART_BYTES
+        if len(chunk.data) != size:  # every part full but the last, which holds the rest: nothing buffers beyond
+            raise TransportError(f"{self.name}: part {chunk.index} of {chunk.count} holds {len(chunk.data)} bytes, "
+                                 f"expected {size} of the {self._expected} announced")
         self._meta = part.meta
         self._chunks.append(chunk.data)
-        if chunk.index + 1 < chunk.count:
+        self._received += size
+        if not last:
             return None
         meta, raw = self._meta, b"".join(self._chunks)
         self._chunks, self._meta = [], None

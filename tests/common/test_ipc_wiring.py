@@ -4,6 +4,7 @@ of CUDA parts. The encoder → DiT leg: tests/common/test_ipc_embeddings.py; the
 """
 import asyncio
 import os
+import threading
 
 import grpc
 import pytest
@@ -170,6 +171,31 @@ async def test_release_in_a_host_session_is_a_clear_error():
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "host bytes" in err.value.details()
 
 
+async def test_a_session_cancelled_while_its_phase_is_exported_leaves_no_slot_leased():
+    exporting, go_on, exported = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowPool(LedgerPool):  # a device copy behind a busy GPU: the export outlives the call
+        def export(self, tensor):
+            exporting.set()
+            go_on.wait(10)
+            try:
+                return super().export(tensor)
+            finally:
+                exported.set()
+
+    async with Stages() as stages, grpc.aio.insecure_channel(stages.addr) as channel:
+        stages.exporter._make_producer = lambda device, pool_bytes, slots: (
+            stages.exporter.pools.append(SlowPool(device, pool_bytes, slots, name="vae")) or stages.exporter.pools[-1])
+        call = await open_raw(channel, VAE_HELLO)
+        assert await asyncio.to_thread(exporting.wait, 10)
+        call.cancel()  # the client leaves; the phase's export runs on in the DiT's worker thread
+        await asyncio.sleep(0.2)
+        go_on.set()
+        assert await asyncio.to_thread(exported.wait, 10)
+        await wait_for(lambda: stages.pool.leased == 0)
+        assert stages.pool.leased == 0 and stages.pool.ledger.leased == 0
+
+
 async def test_session_end_takes_back_every_slot_it_holds():
     async with Stages(num_slots=6, max_phases_ahead=3) as stages, grpc.aio.insecure_channel(stages.addr) as channel:
         call = await open_raw(channel, VAE_HELLO)
@@ -212,7 +238,7 @@ def test_full_pool_falls_back_to_host_bytes_and_counts_it():
     assert kinds == ["cuda", "cuda", "host"]
     assert metric_value(metrics.TRANSPORT_FALLBACKS, peer="test-full") == fallbacks + 1
     assert leases.held == 2 and leases.close() == 2 and pool.leased == 0
-    big = leases.send(torch.ones(1 << 19))  # 2 MiB > a 1 MiB slot
+    big = SessionLeases(pool, "test-full").send(torch.ones(1 << 19))  # 2 MiB > a 1 MiB slot
     assert big[0].WhichOneof("where") == "host"
     assert metric_value(metrics.TRANSPORT_FALLBACKS, peer="test-full") == fallbacks + 2
 
@@ -271,3 +297,23 @@ async def test_vae_rejects_a_bad_cuda_part_for_that_call_only():
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "video latents" in err.value.details()
     assert replies[0].data == b"phase-3" and not replies[0].HasField("release_video")
+
+
+def test_a_send_after_the_session_closed_gives_its_slot_back():
+    # a cancelled call's worker thread may still be exporting when the call ends and closes its leases
+    pool = LedgerPool("cuda:0", 4 << 20, 4)
+    leases = SessionLeases(pool, "test-closed")
+    closing_during_export = pool.export
+
+    def export(tensor):
+        part = closing_during_export(tensor)
+        leases.close()  # the call ended while this export ran
+        return part
+
+    pool.export = export
+    with pytest.raises(IpcError, match="session ended while a tensor was exported"):
+        leases.send(torch.ones(4))
+    assert pool.leased == 0 and leases.held == 0
+    with pytest.raises(IpcError, match="the session ended"):
+        leases.send(torch.ones(4))
+    assert pool.leased == 0

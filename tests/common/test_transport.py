@@ -39,7 +39,7 @@ def test_out_of_order_part_is_rejected():
 def test_wrong_byte_count_is_rejected():
     part = tensor_to_parts(torch.randn(10))[0]
     part.host.data = part.host.data[:-4]
-    with pytest.raises(TransportError, match="36 bytes for shape \\[10\\]"):
+    with pytest.raises(TransportError, match="part 0 of 1 holds 36 bytes, expected 40 of the 40 announced"):
         TensorAssembler("audio").add(part)
 
 
@@ -61,3 +61,24 @@ def test_a_part_count_that_does_not_match_the_size_is_refused():
     part.host.count = 5000
     with pytest.raises(TransportError, match="5000 parts announced for 16 bytes"):
         TensorAssembler("audio").add(part)
+
+
+def test_a_later_part_cannot_raise_the_part_count():
+    parts = tensor_to_parts(torch.zeros(MAX_PART_BYTES // 2 + 1))  # 3 parts
+    asm = TensorAssembler("video")
+    asm.add(parts[0])
+    parts[1].host.count = 1000
+    with pytest.raises(TransportError, match="part 1 announces 1000 parts, the first announced 3"):
+        asm.add(parts[1])
+
+
+@pytest.mark.parametrize("which, extra", [(1, MAX_PART_BYTES), (2, 1)])
+def test_a_part_larger_than_its_share_of_the_announced_bytes_is_refused(which, extra):
+    # a stream may not buffer more than the tensor it announced: a full part is 1 MiB, the last holds the rest
+    parts = tensor_to_parts(torch.zeros(MAX_PART_BYTES // 2 + 1))  # 1 MiB, 1 MiB, 4 bytes
+    parts[which].host.data += bytes(extra)
+    asm = TensorAssembler("video")
+    for part in parts[:which]:
+        assert asm.add(part) is None
+    with pytest.raises(TransportError, match=f"part {which} of 3 holds {len(parts[which].host.data)} bytes"):
+        asm.add(parts[which])
