@@ -101,7 +101,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 leases = await asyncio.to_thread(self.exporter.session, request.consumer)
                 if leases is not None:
                     self.callers.take_back_exited(leases.producer)
-                parts = await asyncio.to_thread(sender(leases, CONSUMER), encoded.embedding)
+                export = asyncio.ensure_future(asyncio.to_thread(sender(leases, CONSUMER), encoded.embedding))
+                try:
+                    parts = await asyncio.shield(export)
+                except asyncio.CancelledError:  # the caller left while the export ran on: its slot comes back
+                    export.add_done_callback(self._take_back_exported)
+                    raise
                 self.callers.sent(parts[0], request.caller)
             except Exception as exc:  # the one boundary where every failure becomes a status
                 await abort_with(context, exc)
@@ -112,9 +117,31 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             log.info("prompt encoded: %d tokens in %.3f s", num_tokens, encoded.seconds,
                      extra={**prompt_fields(request.prompt), "num_tokens": num_tokens,
                             "encode_s": round(encoded.seconds, 4)})
-            for part in parts:
-                yield encoder_pb2.EncodeResponse(embedding=part, num_tokens=num_tokens,
-                                                 encode_seconds=encoded.seconds)
+            sent = False
+            try:
+                for part in parts:
+                    yield encoder_pb2.EncodeResponse(embedding=part, num_tokens=num_tokens,
+                                                     encode_seconds=encoded.seconds)
+                sent = True
+            finally:
+                if not sent:  # cancelled before the last part went out: the caller will not release the slot
+                    self._take_back(parts)
+
+    def _take_back(self, parts: list[tensor_pb2.TensorPart]) -> None:
+        """Free the slot of an embedding that never reached its caller (host parts hold none)."""
+        producer = self.exporter.producer
+        if producer is None or not parts or parts[0].WhichOneof("where") != "cuda":
+            return
+        ref = parts[0].cuda
+        if producer.ledger.reclaim(ref.slot, ref.generation):
+            log.info("an embedding's caller left before it was sent: slot %d taken back", ref.slot)
+        self.callers.released(tensor_pb2.Release(slot=ref.slot, generation=ref.generation))
+        IPC_LEASED_SLOTS.labels(peer=CONSUMER).set(producer.leased)
+
+    def _take_back_exported(self, export: asyncio.Future) -> None:
+        """Done-callback of an export whose call was cancelled."""
+        if not export.cancelled() and export.exception() is None:
+            self._take_back(export.result())
 
     async def Release(self, request: tensor_pb2.Release, context: grpc.aio.ServicerContext):
         producer = self.exporter.producer

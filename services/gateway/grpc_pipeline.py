@@ -156,6 +156,9 @@ class GrpcPipeline(Pipeline):
         except grpc.RpcError as exc:
             await self.release_embeddings(parts)
             raise pipeline_error("encoder", exc) from None
+        except BaseException:  # a cancel between two parts: nobody else will give back the ones already here
+            await asyncio.shield(self.release_embeddings(parts))
+            raise
         return parts, seconds
 
     async def release_embeddings(self, parts: list) -> None:
@@ -418,6 +421,11 @@ class GrpcSession(PipelineSession):
         except asyncio.InvalidStateError:  # grpc.aio: writing to a call that has finished or half-closed
             await self.pipeline.release_embeddings(parts)
             raise PipelineError("dit: the session's stream has already ended") from None
+        except BaseException:  # cancelled mid-write: the parts not yet written go back from here
+            unsent = [p for p in parts if p.WhichOneof("where") == "cuda" and (
+                p.cuda.pool_id, p.cuda.slot, p.cuda.generation) not in self._prompt_slots]
+            await asyncio.shield(self.pipeline.release_embeddings(unsent))
+            raise
 
     async def cancel(self) -> None:
         """Stop generating and let the VAE finish: cancel the DiT call, wait for the pump to forward what it has

@@ -2,9 +2,11 @@
 `prompt_release`, by the gateway for embeddings the DiT never took, or by the encoder itself for a gateway that
 exited. The fakes: tests/common/ipc_fakes.py.
 """
+import asyncio
 import os
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
@@ -13,7 +15,7 @@ from services.common import metrics
 from services.common.cuda_ipc import read_boot_id
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.pipeline import SessionRequest
-from tests.common.ipc_fakes import BOOT, VAE_HELLO, Stages, metric_value, wait_for
+from tests.common.ipc_fakes import BOOT, VAE_HELLO, LedgerPool, Stages, metric_value, wait_for
 from vitascope.common.v1 import tensor_pb2 as pb
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -101,6 +103,34 @@ async def test_encoder_release_of_an_unknown_slot_is_invalid_argument():
     assert stale.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stale release" in stale.value.details()
 
 
+async def test_an_encode_cancelled_while_its_embedding_is_exported_gives_the_slot_back():
+    exporting, go_on, exported = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowPool(LedgerPool):  # the copy into the pool outlives the call
+        def export(self, tensor):
+            exporting.set()
+            go_on.wait(10)
+            try:
+                return super().export(tensor)
+            finally:
+                exported.set()
+
+    async with Stages() as stages, grpc.aio.insecure_channel(stages.addr) as channel:
+        exporter = stages.encoder_exporter
+        exporter._make_producer = lambda device, pool_bytes, slots: (
+            exporter.pools.append(SlowPool(device, pool_bytes, slots, name="dit")) or exporter.pools[-1])
+        caller = pb.TransportHello(boot_id=BOOT, pid=os.getpid())  # a live gateway: never taken back as exited
+        call = encoder_pb2_grpc.EncoderStub(channel).Encode(encoder_pb2.EncodeRequest(
+            session_id="s", prompt="hello", consumer=VAE_HELLO, caller=caller))
+        assert await asyncio.to_thread(exporting.wait, 10)
+        call.cancel()
+        await asyncio.sleep(0.2)
+        go_on.set()
+        assert await asyncio.to_thread(exported.wait, 10)
+        (pool,) = exporter.pools
+        await wait_for(lambda: pool.leased == 0)
+
+
 async def test_slots_of_an_exited_gateway_come_back_when_the_pool_runs_out():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -149,3 +179,33 @@ async def test_dit_prompt_release_follows_started():
         call.cancel()
     assert kinds == ["started", "prompt_release"]
     assert stages.dit.prompts == [4.0]
+
+
+async def test_the_gateway_gives_back_an_embedding_it_holds_when_cancelled_before_the_stream_ends():
+    class EncoderStub:  # one CUDA IPC part, then a stream end that does not come before the cancel
+        def __init__(self):
+            self.released = []
+
+        def Encode(self, request):
+            async def replies():
+                yield encoder_pb2.EncodeResponse(embedding=pb.TensorPart(
+                    meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[3, 8]),
+                    cuda=pb.CudaIpcRef(pool_id="p", slot=2, generation=7, nbytes=96)))
+                await asyncio.sleep(30)
+            return replies()
+
+        async def Release(self, release, timeout=None):
+            self.released.append((release.slot, release.generation))
+
+    pipeline = GrpcPipeline("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", cuda_ipc=False)
+    pipeline.encoder = stub = EncoderStub()
+    try:
+        start = asyncio.create_task(pipeline.start(SessionRequest(request_id="r", prompt="p", seed=1, width=64,
+                                                                  height=64, fps=24)))
+        await asyncio.sleep(0.2)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+    finally:
+        await pipeline.close()
+    assert stub.released == [(2, 7)]

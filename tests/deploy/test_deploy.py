@@ -78,6 +78,7 @@ def test_gpu_compose_config_passes_per_profile(env_file, profile, gpus):
         svc = services[name]
         assert svc["command"] == ["python", "-m", f"services.{name}", "--profile", f"configs/{profile}.yaml"]
         assert svc["network_mode"] == "service:pod"
+        assert svc["pid"] == "service:pod"  # the encoder asks whether its callers' pids are alive
         assert svc["user"] == "10001:10001"
     for name, (health, port) in HEALTH.items():
         svc = services[name]
