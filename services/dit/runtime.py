@@ -286,14 +286,8 @@ class StreamingSession:
         video, mean, std = self._renormalise(xv, ph)
         self._sync()
         t1 = time.perf_counter()
-        self._pending_commit = (req, ph, patchify(video), audio)
-        if self._ref_stats is None:
-            self._ref_stats = (mean, std)
         last = self.phase_index == len(req.plan.phases) - 1
-        if last:
-            self._tail = req.teacher.state(-1)[:, -TEACHER_TAIL_LATENTS:].clone()
-            # only the pending commit (sigma = 0) still reads this request's text K/V
-            req.text_kv = {t: kv for t, kv in req.text_kv.items() if t == model_t(0.0)}
+        tail = req.teacher.state(-1)[:, -TEACHER_TAIL_LATENTS:].clone() if last else None
         timings = PhaseTimings(hold_s=req.prompt.hold_seconds if first_phase else 0.0,
                                teacher_s=req.teacher.seconds if first_phase else 0.0, student_s=t1 - t0,
                                commit_s=commit_s, total_s=time.perf_counter() - t_start)
@@ -306,7 +300,14 @@ class StreamingSession:
                          superseded_event_ids=req.prompt.superseded if first_phase else (), timings=timings)
         out = PhaseOutput(video=video.to(torch.float32, copy=True),  # stays on the device: CUDA IPC sends it
                           audio=audio.reshape(2, ph.num_audio_latents, -1).to(torch.float32, copy=True), meta=meta)
+        # The phase is out: its state changes, all at once (nothing below can fail, so a retried phase finds none).
+        self._pending_commit = (req, ph, patchify(video), audio)
+        if self._ref_stats is None:
+            self._ref_stats = (mean, std)
         if last:
+            self._tail = tail
+            # only the pending commit (sigma = 0) still reads this request's text K/V
+            req.text_kv = {t: kv for t, kv in req.text_kv.items() if t == model_t(0.0)}
             self.request_index, self.phase_index, self._request = self.request_index + 1, 0, None
         else:
             self.phase_index += 1

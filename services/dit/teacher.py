@@ -157,7 +157,7 @@ class TeacherRun:
         self._seconds.set_result(seconds)
 
     def _fail(self, exc: BaseException) -> None:
-        for f in (*self._states, self._seconds):
+        for f in (self._seconds, *self._states):  # `failed` first: a caller woken by a state's error reads it
             if not f.done():
                 f.set_exception(exc)
 

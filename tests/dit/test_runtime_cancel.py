@@ -7,6 +7,7 @@ from services.common.errors import NoCapacity
 from services.dit.api import InvalidCanvas, PromptUpdate, RuntimeConfig, SessionCancelled, SessionClosed, SessionConfig
 from services.dit.lora import LoRAAdapter, write_random_adapter
 from services.dit.model import PRESETS, build_random
+from services.dit import runtime as runtime_module
 from services.dit.runtime import DiTRuntime
 
 pytestmark = pytest.mark.cpu
@@ -139,6 +140,41 @@ def test_fault_mid_commit_leaves_kv_exactly_as_before(adapter_dir):
     assert retried.meta.phase_index == 2 and kv.num_commits == 2
     session.close()
     assert rt.active_session is None
+
+
+def test_a_phase_that_fails_after_its_students_changes_no_state(adapter_dir, monkeypatch):
+    # the output's device copies come after the students: a failure there (out of memory) leaves the phase to a
+    # retry, which must find the session as before it: no pending commit of the lost phase, the same reference
+    # statistics, the request's tail and text K/V untouched (phase 3 is request 0's last)
+    ref_rt = make_runtime(adapter_dir)
+    ref = ref_rt.open_session(CONFIG, prompt())
+    ref_outs = [ref.next_phase() for _ in range(5)]
+    ref_commits = ref.kv.num_commits
+    ref.close()
+
+    real, made = runtime_module.PhaseOutput, []
+
+    def failing(**fields):
+        made.append(fields["meta"].phase_index)
+        if len(made) in (1, 4, 6):  # the first attempts at request 0's phases 0, 2 and 3
+            raise RuntimeError("injected: CUDA out of memory")
+        return real(**fields)
+
+    monkeypatch.setattr(runtime_module, "PhaseOutput", failing)
+    rt = make_runtime(adapter_dir)
+    session = rt.open_session(CONFIG, prompt())
+    outs = []
+    while len(outs) < 5:
+        try:
+            outs.append(session.next_phase())
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+    assert made == [0, 0, 1, 2, 2, 3, 3, 0]
+    for got, want in zip(outs, ref_outs):
+        assert (got.meta.request_index, got.meta.phase_index) == (want.meta.request_index, want.meta.phase_index)
+        assert torch.equal(got.video, want.video) and torch.equal(got.audio, want.audio)
+    assert session.kv.num_commits == ref_commits
+    session.close()
 
 
 def test_one_session_per_group_and_bad_canvas(adapter_dir):

@@ -99,3 +99,15 @@ def test_teacher_beside_the_students_equals_the_teacher_before_them_bitwise(adap
     for a, b in zip(got, ref):
         assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
     assert got[0].meta.timings.teacher_s > 0 and got[1].meta.timings.teacher_s == 0
+
+
+@pytest.mark.cpu
+def test_a_failed_run_reads_failed_as_soon_as_a_state_raises():
+    # the students' thread wakes on a state's error and asks `failed` to decide whether the retry restarts the teacher
+    run = TeacherRun()
+    seen = []
+    run._states[0].add_done_callback(lambda _: seen.append(run.failed))
+    run._fail(RuntimeError("teacher step 2 failed"))
+    assert seen == [True]
+    with pytest.raises(RuntimeError, match="teacher step 2 failed"):
+        run.state(0)
