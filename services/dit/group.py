@@ -269,6 +269,7 @@ class GroupSession:
         self.config, self._fallback = config, fallback
         self._pending: list[PromptUpdate] = []
         self._pending_lock = threading.Lock()
+        self._prompts_closed = False  # no prompt will come any more: a hold ends at once
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
         self._ended = False
@@ -305,6 +306,12 @@ class GroupSession:
         self._group.runtime.check_prompt(update)
         with self._pending_lock:
             self._pending.append(update)
+        self._wake.set()
+
+    def close_prompts(self) -> None:
+        """No prompt will come any more: a hold at a request boundary ends at once, as if it expired."""
+        with self._pending_lock:
+            self._prompts_closed = True
         self._wake.set()
 
     def cancel(self) -> None:
@@ -357,8 +364,8 @@ class GroupSession:
                 raise SessionClosed("the session is closed")
             held, use_fallback = self._hold()
             with self._comm.lock:
-                if self.local.phase_index == 0:  # prompts only matter at a request boundary: deliver them there
-                    self._flush_prompts()
+                if self.local.phase_index == 0 and self._flush_prompts():  # prompts apply at a request boundary
+                    use_fallback = False  # one came as the hold expired: it is newer than the fallback
                 self._comm.send_control(NextPhase(use_fallback))
                 if use_fallback:
                     self.local.submit_prompt(self._fallback)
@@ -371,7 +378,8 @@ class GroupSession:
                     self._cancel_now()
         return out, held
 
-    def _flush_prompts(self) -> None:
+    def _flush_prompts(self) -> int:
+        """Deliver the pending prompts to every rank; returns how many."""
         with self._pending_lock:
             pending, self._pending = self._pending, []
         for update in pending:
@@ -379,21 +387,26 @@ class GroupSession:
             self._comm.send_control(SubmitPrompt(spec))
             self._comm.broadcast_prompt(spec, update.embedding)
             self.local.submit_prompt(update)
+        return len(pending)
 
     def _hold(self) -> tuple[float, bool]:
-        """At a request boundary with hold on: wait for a prompt; returns (seconds held, use the fallback)."""
+        """At a request boundary with hold on: wait for a prompt; returns (seconds held, use the fallback). Raises
+        GroupFailed when the group goes down meanwhile."""
         hold = self.config.hold
         if not hold.enabled or self.local.request_index == 0 or self.local.phase_index != 0:
             return 0.0, False
         start = time.monotonic()
         while True:
             waited = time.monotonic() - start
+            if self._comm.failure is not None:
+                raise GroupFailed(f"the DiT group is down: {self._comm.failure}")
             with self._pending_lock:
-                arrived = bool(self._pending)
+                arrived, closed = bool(self._pending), self._prompts_closed
             if arrived or self.local.cancel_token.cancelled:
                 return waited, False
-            if hold.max_seconds is not None and waited >= hold.max_seconds:
-                log.info("hold expired after %.3f s at request %d", waited, self.local.request_index)
+            if closed or (hold.max_seconds is not None and waited >= hold.max_seconds):
+                log.info("hold %s after %.3f s at request %d", "ended: no prompt can come" if closed else "expired",
+                         waited, self.local.request_index)
                 fallback = self._fallback
                 return waited, fallback is not None and self.local.prompts.active is not fallback
             step = hold.poll_seconds if hold.max_seconds is None else min(hold.poll_seconds,

@@ -83,6 +83,11 @@ class PhaseCredit:
         self._unacked.popleft()
         self._changed.set()
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why reading the request stream failed (None while it has not)."""
+        return self._error
+
     def close(self, error: BaseException | None = None) -> None:
         """The request stream ended (with `error` if reading it failed): no more acks will come."""
         self._closed, self._error = True, error
@@ -139,14 +144,19 @@ class RequestReader:
         return None
 
     async def run(self, session: StreamingSession) -> None:
-        """Submit prompt updates and apply acks until the stream ends; then (or on failure) close the credit."""
+        """Submit prompt updates and apply acks until the stream ends; then (or on failure) close the credit.
+
+        At the stream's end no prompt can come any more, so a hold for one ends. A failure ends the call with its
+        error, so the session is cancelled at once: a phase or a hold under way would only delay the status."""
         try:
             while (item := await self.next_prompt()) is not None:
                 session.submit_prompt(item[0])
         except Exception as exc:  # handed to the generation loop, which turns it into the call's status
             self._credit.close(exc)
+            await asyncio.to_thread(session.cancel)  # a group's cancel talks to the other ranks: off the loop
             return
         self._credit.close()
+        session.close_prompts()
 
 
 def _no_ipc_consumer() -> IpcConsumer:
@@ -197,9 +207,10 @@ def observe(out: PhaseOutput, span: tracing.SpanContext) -> None:
 
 
 def _cancel_opened(opening: asyncio.Future) -> None:
-    """Done-callback of an open whose call was cancelled: cancel the session it opened (frees the slot)."""
+    """Done-callback of an open whose call was cancelled: cancel the session it opened (frees the slot), off the
+    event loop (a group's cancel talks to the other ranks)."""
     if not opening.cancelled() and opening.exception() is None:
-        opening.result().cancel()
+        asyncio.get_running_loop().run_in_executor(None, opening.result().cancel)
 
 
 def latent_exporter(cfg: DiTConfig) -> IpcExporter:
@@ -288,12 +299,12 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
                 log.info("session cancelled by the client")
                 raise
             except Exception as exc:  # the boundary: every failure becomes a status
-                await abort_with(context, exc)
+                await abort_with(context, credit.error or exc)  # the request reader's error cancels the session
             finally:
                 requests.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await requests
-                session.cancel()
+                await asyncio.shield(asyncio.to_thread(session.cancel))  # a group's cancel talks to the other ranks
                 self._end_leases(leases)
                 ACTIVE_SESSIONS.dec()
 

@@ -196,6 +196,10 @@ class StreamingSession:
         self.runtime.check_prompt(update)
         self.prompts.submit(update)
 
+    def close_prompts(self) -> None:
+        """No prompt will come any more: a hold at a request boundary ends at once, as if it expired."""
+        self.prompts.close()
+
     def cancel(self) -> None:
         """Cancel: an idle session releases its KV now, a running phase at its next check between forwards."""
         self.cancel_token.cancel()

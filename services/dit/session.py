@@ -66,6 +66,7 @@ class PromptBook:
         self._lock = threading.Lock()
         self._pending: list[PromptUpdate] = [first]
         self._active: PromptUpdate | None = None
+        self._closed = False
         self.hold, self.fallback, self._clock = hold, fallback, clock
 
     @property
@@ -77,6 +78,11 @@ class PromptBook:
         with self._lock:
             self._pending.append(update)
 
+    def close(self) -> None:
+        """No prompt will come any more (the client's request stream ended): a hold ends at once, as if expired."""
+        with self._lock:
+            self._closed = True
+
     def _take_pending(self) -> tuple[PromptUpdate | None, tuple[str, ...]]:
         with self._lock:
             pending, self._pending = self._pending, []
@@ -85,7 +91,8 @@ class PromptBook:
         return pending[-1], tuple(p.event_id for p in pending[:-1])
 
     def _wait_for_update(self, cancel: CancelToken) -> tuple[bool, float]:
-        """Hold until a prompt is pending (True), the finite hold expires (False), or cancel (raises)."""
+        """Hold until a prompt is pending (True), the finite hold expires or no prompt can come (False), or cancel
+        (raises)."""
         start = self._clock()
         limit, poll = self.hold.max_seconds, self.hold.poll_seconds
         while True:
@@ -93,8 +100,9 @@ class PromptBook:
             with self._lock:
                 if self._pending:
                     return True, self._clock() - start
+                closed = self._closed
             waited = self._clock() - start
-            if limit is not None and waited >= limit:
+            if closed or (limit is not None and waited >= limit):
                 return False, waited
             step = poll if limit is None else min(poll, max(limit - waited, 0.0))
             if cancel.wait(step):

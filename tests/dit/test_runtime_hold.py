@@ -58,6 +58,18 @@ def test_infinite_hold_waits_for_a_newer_prompt():
     assert not worker.is_alive() and result["rp"].prompt.event_id == "u1" and result["rp"].hold_seconds >= 0.4
 
 
+def test_an_infinite_hold_ends_once_no_prompt_can_come():
+    fallback = prompt(9, "fallback")
+    book = PromptBook(prompt(1, "e0"), HoldConfig(enabled=True, max_seconds=None, poll_seconds=0.02), fallback)
+    book.for_request(0, CancelToken())
+    threading.Timer(0.3, book.close).start()  # the client's request stream ended
+    t0 = time.monotonic()
+    rp = book.for_request(1, CancelToken())
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert rp.prompt is fallback and rp.hold_seconds >= 0.3  # as if the hold had expired
+    assert book.for_request(2, CancelToken()).prompt is fallback  # closed: later boundaries do not wait
+
+
 def test_held_session_answers_cancel_within_one_poll_without_forwards(tmp_path):
     model = build_random(ARGS, "cpu", torch.float32, seed=0)
     rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16),

@@ -232,6 +232,37 @@ def test_usp2_streaming_session_matches_one_rank(staged):
 
 
 @pytest.mark.cpu
+def test_group_hold_ends_when_no_prompt_can_come_and_a_late_prompt_beats_the_fallback():
+    gen = torch.Generator().manual_seed(3)
+    first, late, fallback = (PromptUpdate(torch.randn(5, ARGS.text_dim, generator=gen), e)
+                             for e in ("e0", "late", "fallback"))
+    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
+    try:
+        config = SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1], hold=HoldConfig(enabled=True))
+        session = group.open_session(config, first)
+        for _ in range(4):  # request 0; request 1 holds forever for a newer prompt
+            session.next_phase()
+        threading.Timer(0.3, session.close_prompts).start()  # the client's request stream ended
+        out = session.next_phase()
+        assert out.meta.active_event_id == "e0" and out.meta.timings.hold_s >= 0.3  # the previous prompt goes on
+        session.close()
+        # a prompt that arrives as a finite hold expires is newer than the fallback: it wins on every rank
+        config = dataclasses.replace(config, hold=HoldConfig(enabled=True, max_seconds=0.05))
+        session = group.open_session(config, first, fallback)
+        for _ in range(4):
+            session.next_phase()
+        session.submit_prompt(late)
+        session._hold = lambda: (0.05, True)  # the hold expired just before the prompt came
+        out = session.next_phase()
+        assert out.meta.active_event_id == "late" and out.meta.started_event_ids == ("late",)
+        assert [s.request_index for s in group.rank_status()] == [1, 1]
+        session.close()
+    finally:
+        group.shutdown()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.cpu
 def test_group_probe_forward_runs_on_every_rank_between_sessions():
     from services.common.errors import NoCapacity
     from services.dit.probe import phase_inputs, time_forward
@@ -274,22 +305,24 @@ def phases_in_thread(session) -> tuple[threading.Thread, list[BaseException]]:
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("busy", [True, False], ids=["mid-phase", "idle"])
+@pytest.mark.parametrize("busy", ["mid-phase", "idle", "holding"])
 def test_killed_rank_fails_the_group_within_bounded_time(busy):
     failures: list[str] = []
     group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=15, heartbeat_s=2))
     group.on_failure(failures.append)  # the service flips its health to NOT_SERVING here
     try:
-        session = group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1]),
+        hold = HoldConfig(enabled=busy == "holding")  # holding: forever, for a prompt that never comes
+        session = group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1], hold=hold),
                                      PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
-        session.next_phase()
+        for _ in range(4 if busy == "holding" else 1):  # holding: request 0, then the boundary where it holds
+            session.next_phase()
         thread, raised = phases_in_thread(session)
-        if busy:
+        if busy != "idle":
             thread.start()
             time.sleep(0.3)
         os.kill(group.processes[0].pid, signal.SIGKILL)
         killed = time.monotonic()
-        if not busy:  # nobody calls in: the watchdog alone must notice
+        if busy == "idle":  # nobody calls in: the watchdog alone must notice
             while not group.failed and time.monotonic() - killed < 20:
                 time.sleep(0.05)
             assert group.failed, "the watchdog did not notice the dead rank"
