@@ -285,10 +285,14 @@ class IpcProducer:
             raise IpcError(f"tensor of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
         slot, gen = self.ledger.lease()
         offset = self._base + slot * self.slot_bytes
-        if nbytes:
-            src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._buffer[offset:offset + nbytes].copy_(src)
-        self._events[slot].record(torch.cuda.current_stream(self.device))
+        try:
+            if nbytes:
+                src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                self._buffer[offset:offset + nbytes].copy_(src)
+            self._events[slot].record(torch.cuda.current_stream(self.device))
+        except BaseException:  # the copy failed (out of memory for a contiguous copy, a device error): no lease
+            self.ledger.reclaim(slot, gen)
+            raise
         meta = pb.TensorMeta(dtype=DTYPE_TO_PROTO[tensor.dtype], shape=list(tensor.shape))
         return pb.TensorPart(meta=meta, cuda=pb.CudaIpcRef(
             pool_id=self.pool_id, slot=slot, generation=gen, offset_bytes=offset, nbytes=nbytes,

@@ -204,6 +204,8 @@ class TensorReceiver:
             raise IpcError(f"{self.name}: a CUDA IPC part arrived in the middle of a host-part tensor")
         try:
             return self._consumer().open(part, self._device)
+        except torch.OutOfMemoryError:  # this process is short of memory: not the part's fault
+            raise
         except (IpcError, RuntimeError) as exc:  # RuntimeError: torch refused a handle (e.g. a bad event handle)
             raise IpcError(f"{self.name}: {exc}") from None
 

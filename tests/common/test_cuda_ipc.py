@@ -187,6 +187,15 @@ def test_producer_pool_is_aligned_and_exhausts():
 
 
 @pytest.mark.gpu
+def test_an_export_whose_copy_fails_leases_no_slot():
+    prod = IpcProducer(0, 2 << 20, num_slots=1)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        prod.export(torch.empty(4, device="meta"))  # no data to copy: the copy into the slot raises
+    assert prod.leased == 0
+    assert prod.export(torch.ones(4, device="cuda")).cuda.slot == 0  # the one slot is free
+
+
+@pytest.mark.gpu
 def test_consumer_refuses_own_pool():
     prod = IpcProducer(0, 2 << 20, num_slots=1)
     part = prod.export(torch.ones(4, device="cuda"))

@@ -317,3 +317,14 @@ def test_a_send_after_the_session_closed_gives_its_slot_back():
     with pytest.raises(IpcError, match="the session ended"):
         leases.send(torch.ones(4))
     assert pool.leased == 0
+
+
+def test_receiver_leaves_an_out_of_memory_error_alone():
+    # the consumer's own shortage is not a bad part: it must not turn into an IpcError (INVALID_ARGUMENT)
+    class ShortOfMemory:
+        def open(self, part, device):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    receiver = TensorReceiver("video latents", ShortOfMemory)
+    with pytest.raises(torch.OutOfMemoryError):
+        receiver.add(pb.TensorPart(meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[4]), cuda=pb.CudaIpcRef(pool_id="p")))
