@@ -75,6 +75,7 @@ class RankGroup:
         self.lock = threading.RLock()
         """Rank 0: held for every record and the step it announces, so collectives never interleave."""
         self._callbacks: list[Callable[[str], None]] = []
+        self._fail_lock = threading.Lock()
         self.diagnose: Callable[[], str] = lambda: ""
         """Rank 0: names the worker ranks that died, as a prefix of a failed collective's reason."""
 
@@ -104,9 +105,10 @@ class RankGroup:
 
     def fail(self, reason: str) -> None:
         """Mark the group failed (first reason wins), run the callbacks, abort the device group to unblock ops."""
-        if self.failure is not None:
-            return
-        self.failure = reason
+        with self._fail_lock:  # the watchdog and a failed collective may notice at once: one runs the rest
+            if self.failure is not None:
+                return
+            self.failure = reason
         log.error("DiT group failed: %s", reason)
         for callback in self._callbacks:
             try:

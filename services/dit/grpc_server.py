@@ -150,6 +150,9 @@ class RequestReader:
         error, so the session is cancelled at once: a phase or a hold under way would only delay the status."""
         try:
             while (item := await self.next_prompt()) is not None:
+                if item[1] != dit_pb2.PROMPT_ROLE_ACTIVE:
+                    raise SequenceMismatch(f"prompt {item[0].event_id!r} has the FALLBACK role: a fallback is only "
+                                           "accepted right after the first prompt, with hold.has_fallback_prompt")
                 session.submit_prompt(item[0])
         except Exception as exc:  # handed to the generation loop, which turns it into the call's status
             self._credit.close(exc)
@@ -238,6 +241,8 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         prompt = await reader.next_prompt()
         if prompt is None:
             raise SequenceMismatch("the stream closed before the first prompt arrived")
+        if prompt[1] != dit_pb2.PROMPT_ROLE_ACTIVE:
+            raise SequenceMismatch("the first prompt must have the ACTIVE role; a FALLBACK prompt follows it")
         fallback = None
         if start.hold.has_fallback_prompt:
             fallback = await reader.next_prompt()

@@ -194,6 +194,7 @@ def launch_group(profile: Profile, builder: Builder, options: GroupOptions | Non
         comm = RankGroup.init(0, n, device, init_method, options.timeout_s)
         join_ulysses(runtime, comm, profile, 0, n)
         _check_alive(processes)
+        return DiTGroup(runtime, comm, processes, options.step_timeout_s, options.heartbeat_s)
     except BaseException:
         for proc in processes:
             proc.kill()
@@ -203,4 +204,3 @@ def launch_group(profile: Profile, builder: Builder, options: GroupOptions | Non
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise
-    return DiTGroup(runtime, comm, processes, options.step_timeout_s, options.heartbeat_s)

@@ -225,6 +225,30 @@ async def test_out_of_order_ack_fails_the_call_with_a_clear_status():
     assert "oldest unacknowledged phase is 0.0" in err.value.details()
 
 
+async def test_a_fallback_prompt_out_of_place_fails_the_call_with_a_clear_status():
+    async with Stages(2) as stages, grpc.aio.insecure_channel(stages.addr) as channel:
+        first = dit_pb2_grpc.DiTStub(channel).Stream()  # a FALLBACK prompt first, no ACTIVE one
+        await first.write(dit_pb2.StreamRequest(start=dit_pb2.SessionStart(session_id="f", seed=1, width=64,
+                                                                            height=64)))
+        for part in tensor_to_parts(torch.ones(3, 8)):
+            await first.write(dit_pb2.StreamRequest(prompt=dit_pb2.PromptPart(
+                event_id="fb", role=dit_pb2.PROMPT_ROLE_FALLBACK, embedding=part)))
+        with pytest.raises(grpc.aio.AioRpcError) as at_start:
+            await first.read()
+        later = await _open_raw(channel)  # an update with the FALLBACK role, no fallback announced
+        await _read_phase(later)
+        for part in tensor_to_parts(torch.ones(3, 8)):
+            await later.write(dit_pb2.StreamRequest(prompt=dit_pb2.PromptPart(
+                event_id="fb2", role=dit_pb2.PROMPT_ROLE_FALLBACK, embedding=part)))
+        with pytest.raises(grpc.aio.AioRpcError) as as_update:
+            while True:
+                await asyncio.wait_for(later.read(), 10)
+    assert at_start.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "first prompt must have the ACTIVE role" in at_start.value.details()
+    assert as_update.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "prompt 'fb2' has the FALLBACK role" in as_update.value.details()
+
+
 async def test_closing_the_request_stream_ends_the_call():
     async with Stages(2) as stages, grpc.aio.insecure_channel(stages.addr) as channel:
         call = await _open_raw(channel)
