@@ -80,17 +80,18 @@ class RankGroup:
         """Rank 0: names the worker ranks that died, as a prefix of a failed collective's reason."""
 
     @classmethod
-    def init(cls, rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float
+    def init(cls, rank: int, world_size: int, device: torch.device, store: "dist.Store", timeout_s: float
              ) -> "RankGroup":
-        """Join the group: NCCL on CUDA devices, gloo otherwise; both with `timeout_s` on init and collectives."""
+        """Join the group through `store`, which every rank has reached (`launch.rendezvous`): NCCL on CUDA
+        devices, gloo otherwise; both with `timeout_s` on init and collectives."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s),
                                     device_id=device if device.type == "cuda" else None)
             return cls(rank, world_size, device, timeout_s)
         except (RuntimeError, OSError, ValueError) as exc:
-            raise GroupFailed(f"rank {rank} could not join the DiT group at {init_method}: {exc}") from exc
+            raise GroupFailed(f"rank {rank} could not join the DiT group: {exc}") from exc
 
     def host_group(self) -> "dist.ProcessGroup":
         """Another group of every rank, on gloo (host tensors) with the group's timeout, for work that runs beside

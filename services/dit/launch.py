@@ -15,10 +15,13 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.common.config import Profile
@@ -46,14 +49,17 @@ class GroupOptions:
     master_port: int = 0
     """Port of the rendezvous store; 0 picks a free one."""
     timeout_s: float = 120.0
-    """Timeout of init_process_group and of every collective (model loading happens before init)."""
+    """Timeout of init_process_group and of every collective, once every rank has arrived."""
+    join_timeout_s: float = 1800.0
+    """How long rank 0 waits for every rank to arrive: each loads its weights and compiles first, at its own pace
+    (a rank that exits meanwhile fails the start at once)."""
     step_timeout_s: float = 300.0
     """A step (one phase) running longer than this fails the group (a stuck rank)."""
     heartbeat_s: float = 5.0
     """Rank 0 pings idle workers this often (must be well below timeout_s)."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "step_timeout_s", "heartbeat_s"):
+        for name in ("timeout_s", "join_timeout_s", "step_timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.heartbeat_s * 2 >= self.timeout_s:
@@ -69,11 +75,13 @@ class RankSpec:
 
     rank: int
     world_size: int
-    init_method: str
+    master_addr: str
+    master_port: int
     device: str
     """The device as the child sees it (`cuda:0` under its CUDA_VISIBLE_DEVICES, or `cpu`)."""
     env: dict
     timeout_s: float
+    join_timeout_s: float
 
 
 def free_port(addr: str) -> int:
@@ -143,7 +151,9 @@ def _worker_main(spec: RankSpec, profile: Profile, builder: Builder) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     runtime = builder(profile, device)
-    comm = RankGroup.init(spec.rank, spec.world_size, device, spec.init_method, spec.timeout_s)
+    store = rendezvous(spec.master_addr, spec.master_port, spec.rank, spec.world_size, spec.timeout_s,
+                       spec.join_timeout_s)
+    comm = RankGroup.init(spec.rank, spec.world_size, device, store, spec.timeout_s)
     try:
         join_ulysses(runtime, comm, profile, spec.rank, spec.world_size)
         worker_loop(comm, runtime)
@@ -151,6 +161,32 @@ def _worker_main(spec: RankSpec, profile: Profile, builder: Builder) -> None:
         runtime.teacher.release_graphs()
         comm.destroy()
         log.info("rank %d left the group", spec.rank)
+
+
+def rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: float, join_timeout_s: float,
+               check: Callable[[], None] = lambda: None) -> "dist.TCPStore":
+    """The group's store once every rank has reached it. Rank 0 hosts it at `addr:port` and waits up to
+    `join_timeout_s` for the others to arrive, calling `check` (which raises if a rank exited) as it waits; a worker
+    connects (retrying until rank 0 is up, as long) and says it arrived. Then every wait on the store times out
+    after `timeout_s`, as collectives do: ranks finish loading at their own pace, but once all are here they move
+    in step."""
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=join_timeout_s),
+                              wait_for_workers=False)
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise GroupFailed(f"rank {rank} could not reach the DiT group's store at {addr}:{port}: {exc}") from exc
+    if rank:
+        store.set(f"arrived/{rank}", "1")
+    else:
+        arrived = [f"arrived/{r}" for r in range(1, world_size)]
+        deadline = time.monotonic() + join_timeout_s
+        while not store.check(arrived):
+            check()
+            if time.monotonic() > deadline:
+                raise GroupFailed(f"DiT ranks did not all reach the group within {join_timeout_s:g} s")
+            time.sleep(0.1)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def _check_alive(processes: list) -> None:
@@ -169,7 +205,6 @@ def launch_group(profile: Profile, builder: Builder, options: GroupOptions | Non
     if len(kinds) != 1:
         raise ValueError(f"dit.devices={list(devices)} mixes device types {sorted(kinds)}")
     port = options.master_port or free_port(options.master_addr)
-    init_method = f"tcp://{options.master_addr}:{port}"
     os.environ.update(GROUP_ENV)
     # rank 0 must survive a NCCL error to report NOT_SERVING: abort the communicators, raise, do not tear down
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
@@ -178,20 +213,23 @@ def launch_group(profile: Profile, builder: Builder, options: GroupOptions | Non
     processes = []
     for rank in range(1, n):
         device, env = rank_device_env(devices[rank], parent_visible)
-        spec = RankSpec(rank, n, init_method, device, {**GROUP_ENV, **env}, options.timeout_s)
+        spec = RankSpec(rank, n, options.master_addr, port, device, {**GROUP_ENV, **env}, options.timeout_s,
+                        options.join_timeout_s)
         proc = ctx.Process(target=_worker_main, args=(spec, profile, builder), name=f"dit-rank{rank}", daemon=True)
         # The child must see its GPU list from its first instruction: importing the parent's main module in the
         # spawned interpreter can initialise CUDA (e.g. diffusers probes devices) before _worker_main runs.
         with _child_env(env):
             proc.start()
         processes.append(proc)
-    log.info("spawned DiT ranks 1..%d (pids %s) at %s", n - 1, [p.pid for p in processes], init_method)
+    log.info("spawned DiT ranks 1..%d (pids %s), group store at %s:%d", n - 1, [p.pid for p in processes],
+             options.master_addr, port)
     runtime = None
     try:
         device = torch.device(devices[0])
         runtime = builder(profile, device)
-        _check_alive(processes)  # a worker that failed to build is gone by now: do not wait out the init timeout
-        comm = RankGroup.init(0, n, device, init_method, options.timeout_s)
+        store = rendezvous(options.master_addr, port, 0, n, options.timeout_s, options.join_timeout_s,
+                           lambda: _check_alive(processes))  # a worker that failed to build fails the start now
+        comm = RankGroup.init(0, n, device, store, options.timeout_s)
         join_ulysses(runtime, comm, profile, 0, n)
         _check_alive(processes)
         return DiTGroup(runtime, comm, processes, options.step_timeout_s, options.heartbeat_s)

@@ -48,6 +48,16 @@ def build_tiny(profile: Profile, device: torch.device) -> DiTRuntime:
     return runtime
 
 
+def build_tiny_late_or_broken(profile: Profile, device: torch.device) -> DiTRuntime:
+    """`build_tiny`, but a spawned rank finishes loading 6 s after rank 0 (VITASCOPE_TEST_WORKER=late) or fails
+    (=broken)."""
+    if mp.parent_process() is not None:  # a spawned rank
+        if os.environ.get("VITASCOPE_TEST_WORKER") == "broken":
+            raise RuntimeError("injected: this rank cannot load its weights")
+        time.sleep(6)
+    return build_tiny(profile, device)
+
+
 def tiny_profile(devices: tuple[str, ...], dtype: str = "float32", teacher_staged: bool = False) -> Profile:
     return Profile(name="usp-test", model=ModelConfig(preset="tiny", dir="/nonexistent"),
                    dit=DiTConfig(devices=devices, dtype=dtype, canvas_short_edges=(64,), teacher_staged=teacher_staged))
@@ -339,6 +349,34 @@ def test_killed_rank_fails_the_group_within_bounded_time(busy):
         assert session.kv is None and group.active_session is None
     finally:
         group.shutdown(timeout_s=2)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.cpu
+def test_ranks_that_finish_loading_later_than_the_collective_timeout_still_join(monkeypatch):
+    # ranks load and compile at their own pace (4 ranks reading a 33B checkpoint from one disk); only once all have
+    # arrived do collectives run under the group's timeout, here 3 s against a rank 6 s late
+    monkeypatch.setenv("VITASCOPE_TEST_WORKER", "late")
+    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny_late_or_broken,
+                           GroupOptions(timeout_s=3, heartbeat_s=1, join_timeout_s=60))
+    try:
+        session = group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1]),
+                                     PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
+        assert session.next_phase().meta.phase_index == 0
+        session.close()
+    finally:
+        group.shutdown()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.cpu
+def test_a_rank_that_fails_to_load_fails_the_start_at_once(monkeypatch):
+    monkeypatch.setenv("VITASCOPE_TEST_WORKER", "broken")
+    started = time.monotonic()
+    with pytest.raises(GroupFailed, match="exited during start-up"):
+        DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny_late_or_broken,
+                       GroupOptions(timeout_s=3, heartbeat_s=1, join_timeout_s=600))
+    assert time.monotonic() - started < 60  # not the join timeout
     assert not dist.is_initialized()
 
 
