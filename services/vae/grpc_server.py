@@ -68,6 +68,10 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
         profile = getattr(service, "profile", None)
         device = profile.vae.device if profile is not None else "cpu"
         self._device = device if device.startswith("cuda") else None  # IPC latents are copied onto the decoder's GPU
+        self._phases = asyncio.Lock()
+        """One phase at a time decodes on the shared decoders. A session's chunks hold the service's own lock from
+        its first chunk to its last, so the sessions queue here, on the event loop: waiting for that lock in
+        worker threads, enough of them filled the pool and the holder could never make its next chunk."""
 
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         ACTIVE_SESSIONS.inc()
@@ -98,16 +102,25 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                     elif kind == "phase_end":
                         if video is None or audio is None:
                             raise SequenceMismatch("phase_end before the phase's video and audio latents")
-                        chunks = await asyncio.to_thread(session.phase, video.float(), audio.float())
-                        try:  # each chunk goes out as soon as it is muxed (a first phase has three)
-                            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-                                observe(index, request.phase_end, chunk)
-                                for message in chunk_messages(index, chunk, release_video=video_release,
-                                                              release_audio=audio_release):
-                                    yield message
-                                index, video_release, audio_release = index + 1, None, None
-                        finally:  # a cancelled call leaves its phase: the shared decoders are freed for others
-                            await asyncio.to_thread(chunks.close)
+                        async with self._phases:
+                            chunks = await asyncio.to_thread(session.phase, video.float(), audio.float())
+                            making = None  # the chunk being made in a worker thread
+                            try:  # each chunk goes out as soon as it is muxed (a first phase has three)
+                                while True:
+                                    making = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+                                    chunk = await asyncio.shield(making)
+                                    making = None
+                                    if chunk is None:
+                                        break
+                                    observe(index, request.phase_end, chunk)
+                                    for message in chunk_messages(index, chunk, release_video=video_release,
+                                                                  release_audio=audio_release):
+                                        yield message
+                                    index, video_release, audio_release = index + 1, None, None
+                            finally:  # a cancelled call leaves its phase: the shared decoders are freed for others
+                                if making is not None:  # cancelled while a chunk was made: it ends first
+                                    await asyncio.wait([making])
+                                await asyncio.to_thread(chunks.close)
                         video, audio = None, None
                     else:
                         raise SequenceMismatch(f"unexpected {kind} after start")

@@ -133,3 +133,46 @@ def test_a_phase_left_after_its_first_chunk_frees_the_shared_decoders(decoders, 
     assert next(chunks).phase_continues and lock.locked()
     chunks.close()  # a cancelled stream: the rest of the phase is never asked for
     assert not lock.locked()
+
+
+async def test_more_concurrent_decode_calls_than_worker_threads_all_finish(decoders, worker):
+    # a session's chunks hold the shared lock from its first chunk to its last: sessions waiting for it in worker
+    # threads once filled the event loop's pool, and the holder could not make its next chunk (every call hung)
+    import asyncio
+
+    import grpc
+
+    from services.common.transport import tensor_to_parts
+    from services.vae.grpc_server import VAEServicer
+    from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
+
+    video, audio = decoders
+    lock = threading.Lock()
+
+    class Service:  # VAEService.open's sharing: one pair of decoders, one lock, one audio worker
+        def open(self, width, height, fps, sample_rate):
+            return DecodeSession(video, audio, width, height, fps, sample_rate, "ultrafast", lock, worker)
+
+    def requests(seed: int):
+        (v, a), *_ = latents(seed)
+        yield vae_pb2.DecodeRequest(start=vae_pb2.DecodeStart(session_id=f"s{seed}", width=WIDTH, height=HEIGHT))
+        yield from (vae_pb2.DecodeRequest(video=p) for p in tensor_to_parts(v))
+        yield from (vae_pb2.DecodeRequest(audio=p) for p in tensor_to_parts(a))
+        yield vae_pb2.DecodeRequest(phase_end=vae_pb2.PhaseEnd())
+
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(3))  # fewer threads than calls
+    server = grpc.aio.server()
+    vae_pb2_grpc.add_VAEServicer_to_server(VAEServicer(Service()), server)
+    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(addr) as channel:
+            stub = vae_pb2_grpc.VAEStub(channel)
+
+            async def call(seed: int) -> int:
+                return sum(r.last and not r.trailer for r in [r async for r in stub.Decode(requests(seed))])
+
+            counts = await asyncio.wait_for(asyncio.gather(*(call(i) for i in range(6))), 120)
+    finally:
+        await server.stop(0)
+    assert counts == [3] * 6 and not lock.locked()  # the first phase of each: three chunks
