@@ -526,10 +526,16 @@ class DiTGroup:
             self._step_started = None
 
     # -- supervision --
-    def _dead_ranks(self) -> str:
-        """'rank 1 (pid N) exited with code C; ' for every worker process that is gone."""
-        return "".join(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
-                       for rank, proc in enumerate(self.processes, start=1) if not proc.is_alive())
+    def _dead_ranks(self, grace_s: float = 1.0) -> str:
+        """'rank 1 (pid N) exited with code C; ' for every worker process that is gone. A collective that failed
+        because a rank died can notice before that rank's exit shows: wait up to `grace_s` for one to."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = "".join(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                           for rank, proc in enumerate(self.processes, start=1) if not proc.is_alive())
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
 
     def _check_processes(self, grace_s: float = 0.0) -> None:
         """Fail the group if a worker process has exited (waiting up to `grace_s` for one to be reaped)."""
