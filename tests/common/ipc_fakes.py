@@ -7,6 +7,7 @@ parts, with the tensors kept in a dict instead of device memory, read back by a 
 `IpcConsumer`.
 """
 import asyncio
+import threading
 import time
 import types
 from typing import Iterator
@@ -68,6 +69,27 @@ class LedgerPool:
         if message.pool_id != self.pool_id:
             raise IpcError(f"release for another pool (slot {message.slot}, generation {message.generation})")
         self.ledger.release(message.slot, message.generation)
+
+
+class HeldExport:
+    """Makes an exporter's pool a `LedgerPool` whose exports wait for `go_on` (a device copy behind a busy GPU: the
+    export outlives the call that asked for it); `exporting` and `exported` say where it is."""
+
+    def __init__(self, exporter, name: str):
+        self.exporting, self.go_on, self.exported = threading.Event(), threading.Event(), threading.Event()
+        held = self
+
+        class HeldPool(LedgerPool):
+            def export(self, tensor):
+                held.exporting.set()
+                held.go_on.wait(10)
+                try:
+                    return super().export(tensor)
+                finally:
+                    held.exported.set()
+
+        exporter._make_producer = lambda device, pool_bytes, slots: (
+            exporter.pools.append(HeldPool(device, pool_bytes, slots, name=name)) or exporter.pools[-1])
 
 
 class LedgerConsumer:

@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
 
 import grpc
 import pytest
@@ -15,7 +14,7 @@ from services.common import metrics
 from services.common.cuda_ipc import read_boot_id
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.pipeline import SessionRequest
-from tests.common.ipc_fakes import BOOT, VAE_HELLO, LedgerPool, Stages, metric_value, wait_for
+from tests.common.ipc_fakes import BOOT, VAE_HELLO, HeldExport, Stages, metric_value, wait_for
 from vitascope.common.v1 import tensor_pb2 as pb
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -104,29 +103,17 @@ async def test_encoder_release_of_an_unknown_slot_is_invalid_argument():
 
 
 async def test_an_encode_cancelled_while_its_embedding_is_exported_gives_the_slot_back():
-    exporting, go_on, exported = threading.Event(), threading.Event(), threading.Event()
-
-    class SlowPool(LedgerPool):  # the copy into the pool outlives the call
-        def export(self, tensor):
-            exporting.set()
-            go_on.wait(10)
-            try:
-                return super().export(tensor)
-            finally:
-                exported.set()
-
     async with Stages() as stages, grpc.aio.insecure_channel(stages.addr) as channel:
         exporter = stages.encoder_exporter
-        exporter._make_producer = lambda device, pool_bytes, slots: (
-            exporter.pools.append(SlowPool(device, pool_bytes, slots, name="dit")) or exporter.pools[-1])
+        held = HeldExport(exporter, "dit")  # the copy into the pool outlives the call
         caller = pb.TransportHello(boot_id=BOOT, pid=os.getpid())  # a live gateway: never taken back as exited
         call = encoder_pb2_grpc.EncoderStub(channel).Encode(encoder_pb2.EncodeRequest(
             session_id="s", prompt="hello", consumer=VAE_HELLO, caller=caller))
-        assert await asyncio.to_thread(exporting.wait, 10)
+        assert await asyncio.to_thread(held.exporting.wait, 10)
         call.cancel()
         await asyncio.sleep(0.2)
-        go_on.set()
-        assert await asyncio.to_thread(exported.wait, 10)
+        held.go_on.set()
+        assert await asyncio.to_thread(held.exported.wait, 10)
         (pool,) = exporter.pools
         await wait_for(lambda: pool.leased == 0)
 

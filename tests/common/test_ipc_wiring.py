@@ -4,7 +4,6 @@ of CUDA parts. The encoder → DiT leg: tests/common/test_ipc_embeddings.py; the
 """
 import asyncio
 import os
-import threading
 
 import grpc
 import pytest
@@ -20,8 +19,9 @@ from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.pipeline import SessionRequest
 from services.vae.grpc_server import VAEServicer, chunk_messages
 from services.vae.service import Chunk
-from tests.common.ipc_fakes import (DIT_HELLO, VAE_HELLO, VAE_NO_GPU, FakeDiT, FakeVAE, LedgerPool, Stages,
-                                    ack_request, metric_value, open_raw, read_phase, release_request, wait_for)
+from tests.common.ipc_fakes import (DIT_HELLO, VAE_HELLO, VAE_NO_GPU, FakeDiT, FakeVAE, HeldExport, LedgerPool,
+                                    Stages, ack_request, metric_value, open_raw, read_phase, release_request,
+                                    wait_for)
 from vitascope.common.v1 import tensor_pb2 as pb
 from vitascope.common.v1 import transport_pb2, transport_pb2_grpc
 from vitascope.dit.v1 import dit_pb2
@@ -172,26 +172,14 @@ async def test_release_in_a_host_session_is_a_clear_error():
 
 
 async def test_a_session_cancelled_while_its_phase_is_exported_leaves_no_slot_leased():
-    exporting, go_on, exported = threading.Event(), threading.Event(), threading.Event()
-
-    class SlowPool(LedgerPool):  # a device copy behind a busy GPU: the export outlives the call
-        def export(self, tensor):
-            exporting.set()
-            go_on.wait(10)
-            try:
-                return super().export(tensor)
-            finally:
-                exported.set()
-
     async with Stages() as stages, grpc.aio.insecure_channel(stages.addr) as channel:
-        stages.exporter._make_producer = lambda device, pool_bytes, slots: (
-            stages.exporter.pools.append(SlowPool(device, pool_bytes, slots, name="vae")) or stages.exporter.pools[-1])
+        held = HeldExport(stages.exporter, "vae")
         call = await open_raw(channel, VAE_HELLO)
-        assert await asyncio.to_thread(exporting.wait, 10)
+        assert await asyncio.to_thread(held.exporting.wait, 10)
         call.cancel()  # the client leaves; the phase's export runs on in the DiT's worker thread
         await asyncio.sleep(0.2)
-        go_on.set()
-        assert await asyncio.to_thread(exported.wait, 10)
+        held.go_on.set()
+        assert await asyncio.to_thread(held.exported.wait, 10)
         await wait_for(lambda: stages.pool.leased == 0)
         assert stages.pool.leased == 0 and stages.pool.ledger.leased == 0
 
