@@ -539,11 +539,15 @@ class DiTGroup:
 
     def _check_processes(self, grace_s: float = 0.0) -> None:
         """Fail the group if a worker process has exited (waiting up to `grace_s` for one to be reaped)."""
-        if self._stopping.is_set():  # workers exit on purpose once shutdown began
-            return
-        dead = self._dead_ranks(grace_s)
-        if dead and not self._stopping.is_set():
-            self.comm.fail(dead.removesuffix("; "))
+        deadline = time.monotonic() + grace_s
+        while not self._stopping.is_set():  # workers exit on purpose once shutdown began
+            for rank, proc in enumerate(self.processes, start=1):
+                if not proc.is_alive():
+                    self.comm.fail(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _watchdog(self) -> None:
         while not self._stopping.wait(0.2):

@@ -40,7 +40,6 @@ from services.common.media import AUDIO_SAMPLE_RATE
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
 from services.common.stage_transport import (IpcExporter, ProcessConsumer, SessionLeases, TensorReceiver,
                                              register_transport, sender)
-from services.common.threads import run_or_undo
 from services.dit.api import PhaseOutput, PromptUpdate, SessionConfig
 from services.dit.runtime import StreamingSession
 from services.dit.service import DiTService
@@ -210,6 +209,13 @@ def observe(out: PhaseOutput, span: tracing.SpanContext) -> None:
     record_gpu_memory()
 
 
+def _cancel_opened(opening: asyncio.Future) -> None:
+    """Done-callback of an open whose call was cancelled: cancel the session it opened (frees the slot), off the
+    event loop (a group's cancel talks to the other ranks)."""
+    if not opening.cancelled() and opening.exception() is None:
+        asyncio.get_running_loop().run_in_executor(None, opening.result().cancel)
+
+
 def latent_exporter(cfg: DiTConfig) -> IpcExporter:
     """The process's CUDA IPC exporter of latents to the VAE, from the profile (a pool on rank 0's device)."""
     return IpcExporter(cfg.devices[0], cfg.ipc_slot_mib << 20, cfg.ipc_pool_slots, CONSUMER, enabled=cfg.cuda_ipc)
@@ -245,8 +251,12 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
             fallback = fallback[0]
         config = SessionConfig(seed=start.seed, width=start.width, height=start.height,
                                hold=self.service.hold_config(start.hold.enabled, start.hold.max_seconds))
-        # the caller may leave while the open runs on: the session it opens is then cancelled (frees the slot)
-        return await run_or_undo(lambda session: session.cancel(), self.service.open, config, prompt[0], fallback)
+        opening = asyncio.ensure_future(asyncio.to_thread(self.service.open, config, prompt[0], fallback))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the caller left while the open ran on: give back what it opens
+            opening.add_done_callback(_cancel_opened)
+            raise
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         try:

@@ -29,7 +29,6 @@ from services.common.host_identity import process_alive
 from services.common.logging_setup import log_context
 from services.common.metrics import IPC_LEASED_SLOTS, STAGE_LATENCY, record_gpu_memory
 from services.common.stage_transport import IpcExporter, register_transport, sender
-from services.common.threads import run_or_undo
 from services.encoder.service import EncoderService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -102,8 +101,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 leases = await asyncio.to_thread(self.exporter.session, request.consumer)
                 if leases is not None:
                     self.callers.take_back_exited(leases.producer)
-                # the caller may leave while the export runs on: its slot then comes back
-                parts = await run_or_undo(self._take_back, sender(leases, CONSUMER), encoded.embedding)
+                export = asyncio.ensure_future(asyncio.to_thread(sender(leases, CONSUMER), encoded.embedding))
+                try:
+                    parts = await asyncio.shield(export)
+                except asyncio.CancelledError:  # the caller left while the export ran on: its slot comes back
+                    export.add_done_callback(self._take_back_exported)
+                    raise
                 self.callers.sent(parts[0], request.caller)
             except Exception as exc:  # the one boundary where every failure becomes a status
                 await abort_with(context, exc)
@@ -134,6 +137,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             log.info("an embedding's caller left before it was sent: slot %d taken back", ref.slot)
         self.callers.released(tensor_pb2.Release(slot=ref.slot, generation=ref.generation))
         IPC_LEASED_SLOTS.labels(peer=CONSUMER).set(producer.leased)
+
+    def _take_back_exported(self, export: asyncio.Future) -> None:
+        """Done-callback of an export whose call was cancelled."""
+        if not export.cancelled() and export.exception() is None:
+            self._take_back(export.result())
 
     async def Release(self, request: tensor_pb2.Release, context: grpc.aio.ServicerContext):
         producer = self.exporter.producer
