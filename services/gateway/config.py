@@ -38,6 +38,10 @@ class GatewayConfig:
     stall_timeout_s: float = 60.0
     """Seconds without a chunk and without `session.ping` before an active session is aborted."""
 
+    send_timeout_s: float = 30.0
+    """Seconds one outbound message may take to reach the socket; a client that reads nothing for that long
+    (TCP backpressure) is dropped, so it cannot hold a slot or a queue place."""
+
     max_start_bytes: int = 4 * MiB
     """Largest accepted `session.start` text frame (UTF-8 bytes)."""
 
@@ -86,7 +90,8 @@ class GatewayConfig:
             raise ValueError(f"GatewayConfig.num_slots={self.num_slots} must be >= 1")
         if self.queue_limit < 0:
             raise ValueError(f"GatewayConfig.queue_limit={self.queue_limit} must be >= 0")
-        for name in ("start_timeout_s", "stall_timeout_s", "queue_poll_s", "drain_timeout_s"):
+        for name in ("start_timeout_s", "stall_timeout_s", "send_timeout_s", "queue_poll_s",
+                     "drain_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"GatewayConfig.{name}={value} must be > 0 seconds")

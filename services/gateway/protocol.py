@@ -22,7 +22,7 @@ gateway send each chunk no earlier than its media time; `extra_params.hold_for_p
 
 Error codes and whether the connection closes after the `error` message:
   code                     closes  when
-  invalid_json             no      a text frame that is not a JSON object
+  invalid_json             no      a text frame that is not a JSON object (NaN and Infinity are not JSON)
   binary_not_allowed       no      a binary frame from the client
   unknown_type             no      `type` missing or not a known message type
   missing_field            *       a required field is absent
@@ -56,6 +56,8 @@ A frame above the transport limit `max_frame_bytes` closes the socket with code 
 Close codes: 1000 after `session.done`; 1008 for a rejected start or start_timeout (1009 for
 message_too_large, 1013 for queue_full); 1011 when a running session fails (stall, backend).
 `session.ping` is answered with `session.pong` before `session.start` too.
+A client that reads nothing for `send_timeout_s` while the server has a message for it is dropped without
+an `error` (the socket is aborted; it could not have been read) and its slot or queue place is freed.
 """
 from __future__ import annotations
 
@@ -192,6 +194,12 @@ _HOLD_KEYS = ("hold_for_prompt", "hold_max_seconds", "hold_fallback_prompt")
 _PACING_KEYS = ("pace_to_media_time", "pacing_lead_seconds", "pacing_max_lag_seconds")
 
 
+def _reject_non_json_constant(name: str) -> None:
+    # Python's parser accepts NaN and ±Infinity, which are not JSON: echoed back in video.start they would
+    # make the reply unreadable to a strict JSON parser (every browser's).
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_client_text(text: str, limits: MessageLimits) -> ClientMessage:
     """Parse one client text frame into a message dataclass or raise ProtocolError."""
     size = len(text.encode("utf-8"))
@@ -201,7 +209,7 @@ def parse_client_text(text: str, limits: MessageLimits) -> ClientMessage:
             f"message is {size} bytes; the limit is {limits.max_start_bytes} bytes for session.start",
         )
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_constant=_reject_non_json_constant)
     except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, or an over-long integer
         raise ProtocolError(ErrorCode.INVALID_JSON, f"text frame is not valid JSON ({exc})") from None
     if not isinstance(body, dict):

@@ -57,7 +57,11 @@ class ClientGone(Exception):
 
 
 class MessageSink(Protocol):
-    """Where a session's outbound messages go; implementations serialize concurrent sends."""
+    """Where a session's outbound messages go.
+
+    Implementations serialize concurrent sends and bound each one's time: a client that stops reading must
+    surface as ClientGone, never as a send that waits forever (it would keep its slot or queue place).
+    """
 
     async def send(self, message: ServerMessage) -> None:
         """Deliver one control message; raise ClientGone if the peer is gone."""
@@ -415,14 +419,7 @@ class Session:
             started_event_ids=chunk.started_event_ids, active_event_ids=chunk.active_event_ids,
             completed_event_ids=chunk.completed_event_ids, timings=chunk.timings.as_dict(),
         )
-        try:
-            # A client that stopped reading blocks the send forever (TCP backpressure): bound it by the stall
-            # timeout so such a client cannot keep the slot.
-            await asyncio.wait_for(self._sink.send_media(metadata, chunk.data), self._cfg.stall_timeout_s)
-        except asyncio.TimeoutError:
-            logger.warning("session %s: the client read nothing for %g s; dropping it", self.request_id,
-                           self._cfg.stall_timeout_s)
-            raise ClientGone("the client stopped reading") from None
+        await self._sink.send_media(metadata, chunk.data)
         self._chunks_sent += 1
         if chunk.kind == "media" and not chunk.phase_continues:  # a generation chunk is a whole phase
             self._media_chunks += 1

@@ -10,7 +10,9 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -95,7 +97,7 @@ async def realtime_video(request: web.Request) -> web.WebSocketResponse:
     config = request.app[CONFIG_KEY]
     ws = web.WebSocketResponse(max_msg_size=config.max_frame_bytes)
     await ws.prepare(request)
-    connection = _Connection(ws, request.app[SERVICE_KEY], config)
+    connection = _Connection(ws, request.transport, request.app[SERVICE_KEY], config)
     try:
         await connection.serve()
     finally:
@@ -105,41 +107,58 @@ async def realtime_video(request: web.Request) -> web.WebSocketResponse:
 
 
 class _WebSocketSink:
-    """MessageSink over one websocket; a lock keeps metadata and its bytes adjacent."""
+    """MessageSink over one websocket; a lock keeps metadata and its bytes adjacent.
 
-    def __init__(self, ws: web.WebSocketResponse) -> None:
+    Every message must reach the socket within `timeout_s`. One that does not (the client stopped reading)
+    drops the connection: a frame cut off half-way leaves the stream unusable, and aborting the transport
+    also ends the frame reader, which ends the session and frees its slot.
+    """
+
+    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None,
+                 timeout_s: float) -> None:
         self._ws = ws
+        self._transport = transport
+        self._timeout_s = timeout_s
         self._lock = asyncio.Lock()
+        self._dropped = False
 
     async def send(self, message: ServerMessage) -> None:
         async with self._lock:
-            await self._send_text(message)
+            await self._bounded(self._ws.send_str(json.dumps(message.to_wire())))
 
     async def send_media(self, metadata: ChunkMetadata, data: bytes) -> None:
         async with self._lock:
-            await self._send_text(metadata)
-            try:
-                await self._ws.send_bytes(data)
-            except (ConnectionError, RuntimeError) as exc:
-                raise ClientGone(str(exc)) from None
+            await self._bounded(self._ws.send_str(json.dumps(metadata.to_wire())))
+            await self._bounded(self._ws.send_bytes(data))
 
-    async def _send_text(self, message: ServerMessage) -> None:
-        if self._ws.closed:
+    async def _bounded(self, send: Coroutine[Any, Any, None]) -> None:
+        if self._dropped or self._ws.closed:
+            send.close()
             raise ClientGone("websocket closed")
         try:
-            await self._ws.send_str(json.dumps(message.to_wire()))
+            await asyncio.wait_for(send, self._timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("the client read nothing for %g s; dropping the connection", self._timeout_s)
+            self._drop()
+            raise ClientGone("the client stopped reading") from None
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone(str(exc)) from None
+
+    def _drop(self) -> None:
+        self._dropped = True
+        if self._transport is not None:
+            self._transport.abort()
 
 
 class _Connection:
     """One websocket: waits for session.start, then runs the session and reads control frames."""
 
-    def __init__(self, ws: web.WebSocketResponse, service: SessionService, config: GatewayConfig) -> None:
+    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None,
+                 service: SessionService, config: GatewayConfig) -> None:
         self._ws = ws
         self._service = service
         self._config = config
-        self._sink = _WebSocketSink(ws)
+        self._sink = _WebSocketSink(ws, transport, config.send_timeout_s)
         self._limits = MessageLimits(config.max_start_bytes, config.max_interaction_bytes,
                                      config.max_prompt_chars)
 
