@@ -88,7 +88,7 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                 video_parts = TensorReceiver("video latents", self.consumer, self._device)
                 audio_parts = TensorReceiver("audio latents", self.consumer, self._device)
                 video = audio = video_release = audio_release = None
-                index = 0
+                index, last_phase = 0, None
                 async for request in request_iterator:
                     kind = request.WhichOneof("kind")
                     if kind == "video":
@@ -102,6 +102,11 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                     elif kind == "phase_end":
                         if video is None or audio is None:
                             raise SequenceMismatch("phase_end before the phase's video and audio latents")
+                        phase = (request.phase_end.request_index, request.phase_end.phase_index)
+                        if last_phase is not None and phase <= last_phase:
+                            raise SequenceMismatch(f"phase_end of (request, phase) {phase} after {last_phase}: "
+                                                   "phases must arrive in order, each once")
+                        last_phase = phase
                         async with self._phases:
                             chunks = await asyncio.to_thread(session.phase, video.float(), audio.float())
                             making = None  # the chunk being made in a worker thread

@@ -261,7 +261,8 @@ class FragmentedMP4Muxer:
     def __init__(self, width: int, height: int, fps: int = 24, sample_rate: int = 32000,
                  codec_options: dict[str, str] | None = None) -> None:
         for name, value, low, high in (("width", width, 16, 8192), ("height", height, 16, 8192),
-                                       ("fps", fps, 1, 240), ("sample_rate", sample_rate, 8000, 96000)):
+                                       ("fps", fps, 1, 240), ("sample_rate", sample_rate, 8000, 64000)):
+            # sample_rate: the audio sample entry holds it as 16.16 fixed point, so at most 65,535 Hz
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise InvalidInput(f"{name}={value!r}: expected an int in [{low}, {high}]")
         if width % 2 or height % 2:

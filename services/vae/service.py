@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Iterator
 
 import torch
@@ -58,7 +59,13 @@ class DecodeSession:
             raise InvalidInput(f"sample_rate={sample_rate}: the audio decoder produces {audio.sample_rate} Hz")
         if width % video.spatial_ratio or height % video.spatial_ratio:
             raise InvalidInput(f"canvas {width}x{height}: sides must be multiples of {video.spatial_ratio}")
+        if fps != VIDEO_FPS:
+            raise InvalidInput(f"fps={fps}: the video decoder's frames are {VIDEO_FPS} per second")
         self.width, self.height = width, height
+        self._frames = 0
+        """Frames of the phases accepted so far."""
+        self._audio_latents = 0
+        """Audio latents per channel of the phases accepted so far."""
         self.video = IncrementalVideoDecoder(video)
         self.audio = IncrementalAudioDecoder(audio)
         self.mux = FragmentedMP4Muxer(width, height, fps=fps, sample_rate=sample_rate,
@@ -89,10 +96,29 @@ class DecodeSession:
             self.audio.decoder.validate(audio_latents)
         except InvalidLatents as exc:
             raise InvalidInput(str(exc)) from None
+        self._check_audio_covers_video(sum(parts), audio_latents.shape[1])
         fragments = [[n] for n in parts]  # frames of each fragment, per decoded part
         if self.mux.frames_encoded == 0 and parts[0] > FIRST_FRAGMENT_FRAMES:
             fragments[0] = [FIRST_FRAGMENT_FRAMES, parts[0] - FIRST_FRAGMENT_FRAMES]
         return self._chunks(video_latents, audio_latents, fragments)
+
+    def _check_audio_covers_video(self, frames: int, audio_latents: int) -> None:
+        """Raise InvalidInput unless the stream's audio, this phase's included, ends within half an audio latent of
+        its last video frame; then count the phase as accepted.
+
+        A phase's audio ends where its last frame ends on the audio latent grid, rounded (the DiT's
+        `audio_boundary`): short audio would leave the phase's last fragments without sound, long audio would run
+        ahead of the picture for the rest of the stream.
+        """
+        frames_total, latents_total = self._frames + frames, self._audio_latents + audio_latents
+        hop = self.audio.decoder.hop_length
+        expected = Fraction(frames_total * self.mux.sample_rate, self.mux.fps * hop)  # latents that span the frames
+        if abs(latents_total - expected) > Fraction(1, 2):
+            raise InvalidInput(
+                f"audio latents: this phase's {audio_latents} bring the stream to {latents_total} per channel, but its "
+                f"{frames_total} frames span {float(expected):.2f} ({self.mux.sample_rate // hop} per second at "
+                f"{self.mux.fps} fps); the phase needs {round(expected) - self._audio_latents}")
+        self._frames, self._audio_latents = frames_total, latents_total
 
     def _chunks(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, fragments: list[list[int]]
                 ) -> Iterator[Chunk]:

@@ -1,23 +1,29 @@
 """The VAE service's per-stream decode: audio decoded in a worker thread beside the video, bytes unchanged."""
+import asyncio
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 
 from services.common.errors import InvalidInput
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
+from services.common.transport import tensor_to_parts
 from services.vae.checkpoint import load_audio_vae, load_video_vae, write_random_checkpoint
+from services.vae.grpc_server import VAEServicer
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder
 from services.vae.model import AudioDecoder, VideoDecoder
 from services.vae.mux import FragmentedMP4Muxer
 from services.vae.service import DecodeSession
+from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
 
 pytestmark = pytest.mark.cpu
 
 WIDTH, HEIGHT = 96, 64
-PHASES = [(12, 65), (10, 57), (5, 29)]  # (video latents, audio latents per channel)
+PHASES = [(12, 65), (10, 57), (5, 28)]  # (video latents, audio latents per channel): 39, 73, 90 frames at 40 Hz
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +71,7 @@ def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker)
     assert [c.data for c in chunks] + [stream.close().data] == want
     assert [(c.num_frames, c.num_audio_samples, c.phase_continues) for c in chunks] == [
         (5, cut5, True), (12, cut17 - cut5, True), (22, 65 * 800 - cut17, False), (34, 57 * 800, False),
-        (17, 29 * 800, False)]
+        (17, 28 * 800, False)]
     assert [c.video_decode_seconds > 0 for c in chunks[:3]] == [True, False, True]  # the decode is the part's
 
 
@@ -109,20 +115,33 @@ def test_audio_decodes_in_the_worker_while_the_video_decodes(decoders, worker, m
     assert chunk.audio_decode_seconds > 0 and chunk.video_decode_seconds > 0
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("audio", r"audio latents must be \[2, A, 32\]"),
-    ("video", "after the first phase each phase must hold a multiple of 5 video latents"),
-])
-def test_a_bad_phase_is_named_and_advances_neither_decoder(decoders, worker, bad, message):
+BAD_PHASES = {  # the second phase (10 video latents, 57 audio latents a channel), spoilt
+    "audio": (lambda v, a: (v, a[:1]), r"audio latents must be \[2, A, 32\]"),
+    "video": (lambda v, a: (v[:7], a), "after the first phase each phase must hold a multiple of 5 video latents"),
+    # 73 frames span 121.67 latents at 40 Hz: 65 + 56 leaves the phase's last 27 ms silent, 65 + 58 runs ahead
+    "short audio": (lambda v, a: (v, a[:, :-1]), "this phase's 56 bring the stream to 121 per channel, but its 73 "
+                    r"frames span 121.67 \(40 per second at 24 fps\); the phase needs 57"),
+    "long audio": (lambda v, a: (v, torch.cat([a, a[:, -1:]], 1)), "this phase's 58 bring the stream to 123"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_PHASES)
+def test_a_bad_phase_is_named_and_advances_neither_decoder(decoders, worker, bad):
+    spoil, message = BAD_PHASES[bad]
     phases = latents(3)
     reference = session(decoders, worker)
     want = [[c.data for c in reference.phase(v, a)] for v, a in phases]
     stream = session(decoders, worker)
     list(stream.phase(*phases[0]))
-    v, a = phases[1]
     with pytest.raises(InvalidInput, match=message):
-        stream.phase(v[:7] if bad == "video" else v, a[:1] if bad == "audio" else a)
+        stream.phase(*spoil(*phases[1]))
     assert [[c.data for c in stream.phase(v, a)] for v, a in phases[1:]] == want[1:]
+
+
+def test_a_stream_at_another_frame_rate_is_refused(decoders, worker):
+    video, audio = decoders
+    with pytest.raises(InvalidInput, match="fps=30: the video decoder's frames are 24 per second"):
+        DecodeSession(video, audio, WIDTH, HEIGHT, 30, AUDIO_SAMPLE_RATE, "ultrafast", threading.Lock(), worker)
 
 
 def test_a_phase_left_after_its_first_chunk_frees_the_shared_decoders(decoders, worker):
@@ -135,44 +154,62 @@ def test_a_phase_left_after_its_first_chunk_frees_the_shared_decoders(decoders, 
     assert not lock.locked()
 
 
-async def test_more_concurrent_decode_calls_than_worker_threads_all_finish(decoders, worker):
-    # a session's chunks hold the shared lock from its first chunk to its last: sessions waiting for it in worker
-    # threads once filled the event loop's pool, and the holder could not make its next chunk (every call hung)
-    import asyncio
+class SharedDecoders:
+    """VAEService.open's sharing: one pair of decoders, one lock, one audio worker."""
 
-    import grpc
+    def __init__(self, decoders, worker):
+        self.video, self.audio = decoders
+        self.worker = worker
+        self.lock = threading.Lock()
 
-    from services.common.transport import tensor_to_parts
-    from services.vae.grpc_server import VAEServicer
-    from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
+    def open(self, width, height, fps, sample_rate):
+        return DecodeSession(self.video, self.audio, width, height, fps, sample_rate, "ultrafast", self.lock,
+                             self.worker)
 
-    video, audio = decoders
-    lock = threading.Lock()
 
-    class Service:  # VAEService.open's sharing: one pair of decoders, one lock, one audio worker
-        def open(self, width, height, fps, sample_rate):
-            return DecodeSession(video, audio, width, height, fps, sample_rate, "ultrafast", lock, worker)
-
-    def requests(seed: int):
-        (v, a), *_ = latents(seed)
-        yield vae_pb2.DecodeRequest(start=vae_pb2.DecodeStart(session_id=f"s{seed}", width=WIDTH, height=HEIGHT))
-        yield from (vae_pb2.DecodeRequest(video=p) for p in tensor_to_parts(v))
-        yield from (vae_pb2.DecodeRequest(audio=p) for p in tensor_to_parts(a))
-        yield vae_pb2.DecodeRequest(phase_end=vae_pb2.PhaseEnd())
-
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(3))  # fewer threads than calls
+@contextlib.asynccontextmanager
+async def vae_stub(service):
+    """A VAE gRPC server over `service` on a free port; yields its stub."""
     server = grpc.aio.server()
-    vae_pb2_grpc.add_VAEServicer_to_server(VAEServicer(Service()), server)
+    vae_pb2_grpc.add_VAEServicer_to_server(VAEServicer(service), server)
     addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     try:
         async with grpc.aio.insecure_channel(addr) as channel:
-            stub = vae_pb2_grpc.VAEStub(channel)
-
-            async def call(seed: int) -> int:
-                return sum(r.last and not r.trailer for r in [r async for r in stub.Decode(requests(seed))])
-
-            counts = await asyncio.wait_for(asyncio.gather(*(call(i) for i in range(6))), 120)
+            yield vae_pb2_grpc.VAEStub(channel)
     finally:
         await server.stop(0)
-    assert counts == [3] * 6 and not lock.locked()  # the first phase of each: three chunks
+
+
+def decode_requests(session_id, phases, labels):
+    yield vae_pb2.DecodeRequest(start=vae_pb2.DecodeStart(session_id=session_id, width=WIDTH, height=HEIGHT))
+    for (v, a), (request_index, phase_index) in zip(phases, labels):
+        yield from (vae_pb2.DecodeRequest(video=p) for p in tensor_to_parts(v))
+        yield from (vae_pb2.DecodeRequest(audio=p) for p in tensor_to_parts(a))
+        yield vae_pb2.DecodeRequest(phase_end=vae_pb2.PhaseEnd(request_index=request_index, phase_index=phase_index))
+
+
+async def test_more_concurrent_decode_calls_than_worker_threads_all_finish(decoders, worker):
+    # a session's chunks hold the shared lock from its first chunk to its last: sessions waiting for it in worker
+    # threads once filled the event loop's pool, and the holder could not make its next chunk (every call hung)
+    service = SharedDecoders(decoders, worker)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(3))  # fewer threads than calls
+    async with vae_stub(service) as stub:
+        async def call(seed: int) -> int:
+            responses = [r async for r in stub.Decode(decode_requests(f"s{seed}", latents(seed)[:1], [(0, 0)]))]
+            return sum(r.last and not r.trailer for r in responses)
+
+        counts = await asyncio.wait_for(asyncio.gather(*(call(i) for i in range(6))), 120)
+    assert counts == [3] * 6 and not service.lock.locked()  # the first phase of each: three chunks
+
+
+async def test_a_phase_out_of_order_fails_the_call_by_name(decoders, worker):
+    service = SharedDecoders(decoders, worker)
+    chunks = []
+    async with vae_stub(service) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for response in stub.Decode(decode_requests("s", latents(7)[:2], [(1, 0), (0, 3)])):
+                chunks.append(response.chunk_index)
+    assert "phase_end of (request, phase) (0, 3) after (1, 0)" in info.value.details()
+    assert sorted(set(chunks)) == [0, 1, 2]  # the first phase's three chunks went out; nothing of the second
+    assert not service.lock.locked()

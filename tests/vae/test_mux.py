@@ -206,6 +206,7 @@ def test_i420_frames_encode_like_the_rgb_they_come_from():
     ({"width": 95, "height": 64}, "even"),
     ({"width": 96, "height": 0}, "height=0"),
     ({"width": 96, "height": 64, "fps": 24.5}, "fps=24.5"),
+    ({"width": 96, "height": 64, "sample_rate": 96000}, "sample_rate=96000"),  # beyond the 16.16 sample entry
     ({"width": 96, "height": 64, "codec_options": {"bf": "2"}}, "bf"),
 ])
 def test_bad_construction_is_rejected(kwargs, match):
