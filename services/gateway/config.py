@@ -42,6 +42,10 @@ class GatewayConfig:
     """Seconds one outbound message may take to reach the socket; a client that reads nothing for that long
     (TCP backpressure) is dropped, so it cannot hold a slot or a queue place."""
 
+    heartbeat_s: float = 20.0
+    """Seconds between websocket pings; a peer that has not answered one within half of that is dropped (a dead
+    network path, or a client that stopped reading while it waits in the queue and so is sent next to nothing)."""
+
     max_start_bytes: int = 4 * MiB
     """Largest accepted `session.start` text frame (UTF-8 bytes)."""
 
@@ -90,7 +94,7 @@ class GatewayConfig:
             raise ValueError(f"GatewayConfig.num_slots={self.num_slots} must be >= 1")
         if self.queue_limit < 0:
             raise ValueError(f"GatewayConfig.queue_limit={self.queue_limit} must be >= 0")
-        for name in ("start_timeout_s", "stall_timeout_s", "send_timeout_s", "queue_poll_s",
+        for name in ("start_timeout_s", "stall_timeout_s", "send_timeout_s", "heartbeat_s", "queue_poll_s",
                      "drain_timeout_s"):
             value = getattr(self, name)
             if not value > 0:

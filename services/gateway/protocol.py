@@ -57,7 +57,9 @@ Close codes: 1000 after `session.done`; 1008 for a rejected start or start_timeo
 message_too_large, 1013 for queue_full); 1011 when a running session fails (stall, backend).
 `session.ping` is answered with `session.pong` before `session.start` too.
 A client that reads nothing for `send_timeout_s` while the server has a message for it is dropped without
-an `error` (the socket is aborted; it could not have been read) and its slot or queue place is freed.
+an `error` (the socket is aborted; it could not have been read) and its slot or queue place is freed. The server
+pings every `heartbeat_s` (websocket ping frames, which browsers answer by themselves); a peer that has not answered
+within half of that is dropped the same way.
 """
 from __future__ import annotations
 

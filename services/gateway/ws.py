@@ -95,7 +95,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def realtime_video(request: web.Request) -> web.WebSocketResponse:
     """Serve one realtime session over a websocket."""
     config = request.app[CONFIG_KEY]
-    ws = web.WebSocketResponse(max_msg_size=config.max_frame_bytes)
+    ws = web.WebSocketResponse(max_msg_size=config.max_frame_bytes, heartbeat=config.heartbeat_s)
     await ws.prepare(request)
     connection = _Connection(ws, request.transport, request.app[SERVICE_KEY], config)
     try:

@@ -1,7 +1,9 @@
-"""A client that stops reading is dropped after `send_timeout_s`, whatever the gateway was sending it.
+"""A client that stops reading is dropped after `send_timeout_s`, whatever the gateway was sending it, and a
+client that answers no websocket ping within half of `heartbeat_s`, even when nothing is being sent to it.
 
 Before the sink bounded every send, only media chunks had a time limit: a client that read nothing held its
-slot forever while the gateway waited to hand it a control message (video.start, session.queued, a pong).
+slot forever while the gateway waited to hand it a control message (video.start, session.queued, a pong). Before
+the heartbeat, a queued client whose network path died kept its queue place for good.
 """
 import asyncio
 import base64
@@ -10,6 +12,7 @@ import os
 import socket
 import struct
 
+import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -20,10 +23,13 @@ from services.gateway.ws import _WebSocketSink
 from tests.gateway.fakes import (
     FakeBehaviour,
     FakePipeline,
+    Transcript,
     healthz,
+    read_until,
     run_good_session,
     running_gateway,
     small_config,
+    ws_url,
 )
 
 pytestmark = pytest.mark.cpu
@@ -72,12 +78,37 @@ async def test_a_client_that_never_reads_video_start_loses_its_slot_to_the_next(
     assert [r.request.prompt for r in pipeline.records] == ["next in line"]  # the stuck one never started
 
 
-async def _wait_until_a_slot_is_taken(server) -> None:
+async def _wait_for_health(server, what: str, **expected) -> None:
     for _ in range(200):
-        if (await healthz(server))[1]["sessions_active"] == 1:
+        report = (await healthz(server))[1]
+        if all(report[k] == v for k, v in expected.items()):
             return
         await asyncio.sleep(0.02)
-    raise AssertionError("the stuck client's session.start never took the slot")
+    raise AssertionError(f"{what}: health stayed at {report}, never {expected}")
+
+
+async def _wait_until_a_slot_is_taken(server) -> None:
+    await _wait_for_health(server, "the stuck client's session.start never took the slot", sessions_active=1)
+
+
+async def test_a_queued_client_that_answers_no_ping_loses_its_place():
+    # While queued a client is sent next to nothing, so no send ever times out: only the heartbeat finds it gone.
+    config = small_config(num_slots=1, heartbeat_s=0.4)
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=None, chunk_delay_s=0.05))
+    async with running_gateway(config, pipeline) as server, aiohttp.ClientSession() as http:
+        async with http.ws_connect(ws_url(server)) as running:  # answers pings itself, as browsers do
+            await running.send_json({"type": "session.start", "prompt": "holds the slot"})
+            reader = asyncio.ensure_future(read_until(running, Transcript(), timeout=30))
+            await _wait_until_a_slot_is_taken(server)
+            silent = await asyncio.to_thread(_open_without_reading, server.port,
+                                             json.dumps({"type": "session.start", "prompt": "queued, then silent"}))
+            try:
+                await _wait_for_health(server, "the silent client never queued", sessions_queued=1)
+                await _wait_for_health(server, "the silent client kept its queue place", sessions_queued=0)
+                assert not reader.done()  # the running session goes on
+            finally:
+                silent.close()
+                reader.cancel()
 
 
 class _StuckWebSocket:
