@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from services.common import metrics
-from services.common.host_identity import process_alive, read_boot_id
+from services.common.host_identity import process_alive, read_boot_id, read_pid_namespace
 from services.common.transport import DTYPE_TO_PROTO, PROTO_TO_DTYPE, TransportError, tensor_nbytes
 from vitascope.common.v1 import tensor_pb2 as pb
 
@@ -74,7 +74,8 @@ def gpu_uuids() -> list[str]:
 
 def local_hello() -> pb.TransportHello:
     """The `TransportHello` of this process."""
-    return pb.TransportHello(boot_id=read_boot_id(), gpu_uuids=gpu_uuids(), pid=os.getpid())
+    return pb.TransportHello(boot_id=read_boot_id(), gpu_uuids=gpu_uuids(), pid=os.getpid(),
+                             pid_namespace=read_pid_namespace())
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,17 @@ class TransportDecision:
 
 
 def decide_transport(local: pb.TransportHello, peer: pb.TransportHello) -> TransportDecision:
-    """CUDA IPC when both run on the same boot of one machine, in different processes, sharing a GPU."""
+    """CUDA IPC when both run on the same boot of one machine, in one PID namespace, in different processes, sharing a
+    GPU."""
     if not local.boot_id or not peer.boot_id:
         return TransportDecision(MODE_HOST, "a boot id is missing")
     if local.boot_id != peer.boot_id:
         return TransportDecision(MODE_HOST, f"different boot id ({peer.boot_id[:8]}… vs {local.boot_id[:8]}…): "
                                             "not the same machine")
+    if local.pid_namespace != peer.pid_namespace:
+        return TransportDecision(MODE_HOST, f"different PID namespaces ({peer.pid_namespace or 'unknown'} vs "
+                                            f"{local.pid_namespace or 'unknown'}): a peer's pid cannot be checked, "
+                                            "so its slots could not be taken back; run the stages in one")
     if local.pid == peer.pid:
         return TransportDecision(MODE_HOST, f"same pid {peer.pid}: a process cannot open its own CUDA IPC handles")
     shared = tuple(u for u in local.gpu_uuids if u in set(peer.gpu_uuids))

@@ -25,7 +25,7 @@ from services.common import tracing
 from services.common.config import EncoderConfig
 from services.common.cuda_ipc import IpcError, IpcProducer
 from services.common.errors import abort_with
-from services.common.host_identity import process_alive
+from services.common.host_identity import pids_comparable, process_alive
 from services.common.logging_setup import log_context
 from services.common.metrics import IPC_LEASED_SLOTS, STAGE_LATENCY, record_gpu_memory
 from services.common.stage_transport import IpcExporter, register_transport, sender
@@ -53,13 +53,14 @@ class CallerLeases:
     """Which caller each embedding slot out by CUDA IPC was sent to, so the slots of a caller that exited without
     passing their releases on come back (only callers on this machine's boot: their pids can be asked)."""
 
-    def __init__(self, boot_id: str, alive: Callable[[int], bool] = process_alive):
-        self.boot_id, self._alive = boot_id, alive
+    def __init__(self, local: tensor_pb2.TransportHello, alive: Callable[[int], bool] = process_alive):
+        self.local, self._alive = local, alive
         self._caller: dict[tuple[int, int], int] = {}  # (slot, generation) -> caller pid
 
     def sent(self, part: tensor_pb2.TensorPart, caller: tensor_pb2.TransportHello) -> None:
-        """Remember the caller of an IPC part (a host part, or a caller of another machine or unnamed: nothing)."""
-        if part.WhichOneof("where") == "cuda" and caller.pid > 0 and self.boot_id and caller.boot_id == self.boot_id:
+        """Remember the caller of an IPC part (a host part, or a caller whose pid means nothing here: of another
+        machine or PID namespace, or unnamed: nothing)."""
+        if part.WhichOneof("where") == "cuda" and caller.pid > 0 and pids_comparable(self.local, caller):
             self._caller[(part.cuda.slot, part.cuda.generation)] = caller.pid
 
     def released(self, message: tensor_pb2.Release) -> None:
@@ -91,7 +92,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         profile = getattr(service, "profile", None)
         cfg = profile.encoder if profile is not None else EncoderConfig()
         self.exporter = embedding_exporter(cfg) if exporter is None else exporter
-        self.callers = CallerLeases(self.exporter.local_hello().boot_id)
+        self.callers = CallerLeases(self.exporter.local_hello())
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
         span = tracing.continue_trace(request.trace.traceparent)

@@ -18,8 +18,8 @@ from vitascope.common.v1 import tensor_pb2 as pb
 BOOT = "3b1f0c9e-0000-4000-8000-000000000001"
 
 
-def hello(boot=BOOT, gpus=("GPU-a", "GPU-b"), pid=100):
-    return pb.TransportHello(boot_id=boot, gpu_uuids=list(gpus), pid=pid)
+def hello(boot=BOOT, gpus=("GPU-a", "GPU-b"), pid=100, pid_namespace="pid:[4026531836]"):
+    return pb.TransportHello(boot_id=boot, gpu_uuids=list(gpus), pid=pid, pid_namespace=pid_namespace)
 
 
 @pytest.mark.cpu
@@ -35,6 +35,10 @@ def test_handshake_picks_ipc_only_for_same_boot_other_pid_shared_gpu():
     no_cuda = decide_transport(hello(gpus=()), hello(pid=200))
     assert no_cuda.mode == MODE_HOST
     assert decide_transport(hello(boot=""), hello(boot="", pid=200)).mode == MODE_HOST
+    # containers on one machine without a shared PID namespace: pid 1 in each, or a pid that means another process
+    for peer_namespace in ("pid:[4026532999]", ""):
+        apart = decide_transport(hello(), hello(pid=200, pid_namespace=peer_namespace))
+        assert apart.mode == MODE_HOST and "different PID namespaces" in apart.reason
 
 
 @pytest.mark.cpu
@@ -42,6 +46,8 @@ def test_local_hello_reads_this_process():
     h = local_hello()
     assert h.pid == os.getpid()
     assert h.boot_id == read_boot_id()
+    if os.path.exists("/proc/self/ns/pid"):
+        assert h.pid_namespace == os.readlink("/proc/self/ns/pid") and h.pid_namespace.startswith("pid:[")
     if os.path.exists("/proc/sys/kernel/random/boot_id"):
         assert len(h.boot_id) == 36
     if not torch.cuda.is_available():

@@ -124,6 +124,7 @@ async def test_slots_of_an_exited_gateway_come_back_when_the_pool_runs_out():
     dead = pb.TransportHello(boot_id=BOOT, pid=gone.pid)  # a gateway that died before passing its releases on
     alive = pb.TransportHello(boot_id=BOOT, pid=os.getpid())
     elsewhere = pb.TransportHello(boot_id="another-boot", pid=gone.pid)  # its pid means nothing here
+    apart = pb.TransportHello(boot_id=BOOT, pid=gone.pid, pid_namespace="pid:[4026532999]")  # nor in another container
     async with Stages() as stages, grpc.aio.insecure_channel(stages.addr) as channel:
         stub = encoder_pb2_grpc.EncoderStub(channel)
 
@@ -132,17 +133,17 @@ async def test_slots_of_an_exited_gateway_come_back_when_the_pool_runs_out():
             (reply,) = [r async for r in stub.Encode(request)]
             return reply.embedding
 
-        lost = [await encode(dead) for _ in range(3)] + [await encode(elsewhere)]
+        lost = [await encode(dead) for _ in range(2)] + [await encode(apart), await encode(elsewhere)]
         (pool,) = stages.encoder_exporter.pools
         assert [p.WhichOneof("where") for p in lost] == ["cuda"] * 4 and pool.leased == 4
         fallbacks = metric_value(metrics.TRANSPORT_FALLBACKS, peer="dit")
-        first = await encode(alive)  # the pool is full: the dead caller's three come back, not the other boot's
-        assert first.WhichOneof("where") == "cuda" and pool.leased == 2
+        first = await encode(alive)  # the pool is full: the dead caller's two come back, not the other pid worlds'
+        assert first.WhichOneof("where") == "cuda" and pool.leased == 3
         assert metric_value(metrics.TRANSPORT_FALLBACKS, peer="dit") == fallbacks
         ref = lost[0].cuda
         with pytest.raises(grpc.aio.AioRpcError) as late:  # a taken-back lease's release is stale
             await stub.Release(pb.Release(pool_id=ref.pool_id, slot=ref.slot, generation=ref.generation))
-        held = [await encode(alive) for _ in range(2)]
+        held = [await encode(alive)]
         assert pool.leased == 4 and all(p.WhichOneof("where") == "cuda" for p in held)
         extra = await encode(alive)  # full again, every caller alive or unknown: nothing is taken
         assert extra.WhichOneof("where") == "host" and pool.leased == 4
@@ -150,7 +151,7 @@ async def test_slots_of_an_exited_gateway_come_back_when_the_pool_runs_out():
         for part in [first, *held]:  # a live caller's releases still work
             await stub.Release(pb.Release(pool_id=part.cuda.pool_id, slot=part.cuda.slot,
                                           generation=part.cuda.generation))
-        assert pool.leased == 1  # the other boot's lease
+        assert pool.leased == 2  # the other boot's and the other PID namespace's leases
     assert late.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stale release" in late.value.details()
 
 

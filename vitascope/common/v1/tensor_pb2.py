@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n vitascope/common/v1/tensor.proto\x12\x13vitascope.common.v1\"F\n\nTensorMeta\x12)\n\x05\x64type\x18\x01 \x01(\x0e\x32\x1a.vitascope.common.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\"7\n\tHostChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x90\x01\n\nCudaIpcRef\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x07 \x01(\t\"\xa5\x01\n\nTensorPart\x12-\n\x04meta\x18\x01 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorMeta\x12.\n\x04host\x18\x02 \x01(\x0b\x32\x1e.vitascope.common.v1.HostChunkH\x00\x12/\n\x04\x63uda\x18\x03 \x01(\x0b\x32\x1f.vitascope.common.v1.CudaIpcRefH\x00\x42\x07\n\x05where\"<\n\x07Release\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"A\n\x0eTransportHello\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x11\n\tgpu_uuids\x18\x02 \x03(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\"#\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\t\n\x05UINT8\x10\x04\x12\t\n\x05INT64\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n vitascope/common/v1/tensor.proto\x12\x13vitascope.common.v1\"F\n\nTensorMeta\x12)\n\x05\x64type\x18\x01 \x01(\x0e\x32\x1a.vitascope.common.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\"7\n\tHostChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x90\x01\n\nCudaIpcRef\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x07 \x01(\t\"\xa5\x01\n\nTensorPart\x12-\n\x04meta\x18\x01 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorMeta\x12.\n\x04host\x18\x02 \x01(\x0b\x32\x1e.vitascope.common.v1.HostChunkH\x00\x12/\n\x04\x63uda\x18\x03 \x01(\x0b\x32\x1f.vitascope.common.v1.CudaIpcRefH\x00\x42\x07\n\x05where\"<\n\x07Release\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"X\n\x0eTransportHello\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x11\n\tgpu_uuids\x18\x02 \x03(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x15\n\rpid_namespace\x18\x04 \x01(\t\"#\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\t\n\x05UINT8\x10\x04\x12\t\n\x05INT64\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vitascope.common.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=667
-  _globals['_DTYPE']._serialized_end=759
+  _globals['_DTYPE']._serialized_start=690
+  _globals['_DTYPE']._serialized_end=782
   _globals['_TENSORMETA']._serialized_start=57
   _globals['_TENSORMETA']._serialized_end=127
   _globals['_HOSTCHUNK']._serialized_start=129
@@ -44,7 +44,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASE']._serialized_start=501
   _globals['_RELEASE']._serialized_end=561
   _globals['_TRANSPORTHELLO']._serialized_start=563
-  _globals['_TRANSPORTHELLO']._serialized_end=628
-  _globals['_TRACECONTEXT']._serialized_start=630
-  _globals['_TRACECONTEXT']._serialized_end=665
+  _globals['_TRANSPORTHELLO']._serialized_end=651
+  _globals['_TRACECONTEXT']._serialized_start=653
+  _globals['_TRACECONTEXT']._serialized_end=688
 # @@protoc_insertion_point(module_scope)

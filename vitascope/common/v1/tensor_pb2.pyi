@@ -79,14 +79,16 @@ class Release(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TransportHello(_message.Message):
-    __slots__ = ("boot_id", "gpu_uuids", "pid")
+    __slots__ = ("boot_id", "gpu_uuids", "pid", "pid_namespace")
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     boot_id: str
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     pid: int
-    def __init__(self, boot_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ...) -> None: ...
+    pid_namespace: str
+    def __init__(self, boot_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class TraceContext(_message.Message):
     __slots__ = ("traceparent",)
