@@ -110,7 +110,7 @@ class SessionConfig:
     """One streaming session's fixed parameters."""
 
     seed: int
-    """Noise seed; request k draws audio from seed + k and video from seed + k * 1,000,003."""
+    """Noise seed; request k draws audio from seed + k and video from (seed + k * 1,000,003) mod 2**63."""
     width: int
     """Canvas width in pixels (multiple of 32)."""
     height: int

@@ -50,6 +50,16 @@ def request_frame_start(request_index: int) -> int:
     return FIRST_REQUEST_FRAMES + (request_index - 1) * LATER_REQUEST_FRAMES
 
 
+def request_latent_start(request_index: int) -> int:
+    """Index within the session of request `request_index`'s first video latent (0, 37, 72, ...)."""
+    if request_index < 0:
+        raise ValueError(f"request_index={request_index} must be >= 0")
+    if request_index == 0:
+        return 0
+    first = PREFIX_LATENTS + CLIPS_PER_REQUEST * LATENTS_PER_CLIP
+    return first + (request_index - 1) * CLIPS_PER_REQUEST * LATENTS_PER_CLIP
+
+
 @dataclass(frozen=True)
 class PhasePlan:
     """One causal phase of a request."""

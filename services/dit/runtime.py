@@ -1,19 +1,20 @@
 """Streaming runtime of one DiT group: a session turns (seed, canvas, prompts) into an endless stream of
 audio+video latents, phase by phase.
 
-Per request (5 s): choose the prompt (hold, updates), draw the noise (audio from seed + k after a discarded full
-video draw, video from seed + k * 1,000,003), start the audio teacher (with `dit.teacher_overlap` its graphs replay
-beside the previous phase's commit and the first student step, which needs no teacher state). Per phase: three
-LoRA-student forwards (Euler on video; the student's audio is overwritten by teacher states 3/6/9, each waited for
-when it is needed), renormalise the clean video to the first phase's per-channel statistics, hand the latents out,
-then one clean-commit forward at sigma = 0 without heads that stages K/V of every layer and commits them as one
-transaction (rollback on any failure). The commit runs at the start of the next phase (before its students, which
-read that K/V): a phase's latents never wait for their own commit, and a failed commit is retried before the
-students. A request's text rows are computed once per text timestep (the 3 student steps and the commit): the
-first forward at that timestep records their K/V of every layer, the same step of the request's later phases runs
-on its media rows alone (`RuntimeConfig.reuse_text_kv`); with `RuntimeConfig.text_buckets` the text rows are padded
-to a bucket, so those four forwards also have shapes the block graphs hold. Cancellation is checked between forwards
-and releases the session's KV at once. Knows nothing about transport, encoding or decoding.
+Per request (5 s): choose the prompt (hold, updates), draw the noise (request 0's shapes: audio from seed + k after
+a discarded full video draw, video from seed + k * 1,000,003; a later request drops the transport prefix's part),
+start the audio teacher (with `dit.teacher_overlap` its graphs replay beside the previous phase's commit and the
+first student step, which needs no teacher state). Per phase: three LoRA-student forwards (Euler on video; the
+student's audio is overwritten by teacher states 3/6/9, each waited for when it is needed), renormalise the clean
+video rows to the first phase's per-feature statistics, hand the latents out, then one clean-commit forward at
+sigma = 0 without heads that stages K/V of every layer and commits them as one transaction (rollback on any
+failure). The commit runs at the start of the next phase (before its students, which read that K/V): a phase's
+latents never wait for their own commit, and a failed commit is retried before the students. A request's text
+rows are computed once per text timestep (the 3 student steps and the commit): the first forward at that timestep
+records their K/V of every layer, the same step of the request's later phases runs on its media rows alone
+(`RuntimeConfig.reuse_text_kv`); with `RuntimeConfig.text_buckets` the text rows are padded to a bucket, so those
+four forwards also have shapes the block graphs hold. Cancellation is checked between forwards and releases the
+session's KV at once. Knows nothing about transport, encoding or decoding.
 """
 
 from __future__ import annotations
@@ -81,14 +82,21 @@ def _block_shapes(canvases: Sequence[Canvas], ulysses_degree: int, phases: slice
 
 def request_noise(seed: int, request: RequestPlan, canvas: Canvas, channels: int, audio_channels: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noise of one request: video `[F, C, h, w]` from seed + k * 1,000,003, audio `[2, A, 32]` from seed + k."""
-    k = request.request_index
-    shape = (channels, request.num_latents, canvas.latent_height, canvas.latent_width)  # [C, F, h, w]
-    video = torch.randn(shape, generator=torch.Generator().manual_seed(seed + k * VIDEO_SEED_STRIDE))
+    """Noise of one request: video `[F, C, h, w]` from (seed + k * 1,000,003) mod 2**63, audio `[2, A, 32]` from
+    seed + k.
+
+    As the official H3 sampler, every request draws the noise of a whole request 0 (37 video latents, 207 audio
+    latents per channel); a later request drops its leading 2 video latents and 207 - A audio latents per channel
+    (where the previous request's tail goes as the transport prefix), not draws its own shorter noise."""
+    k, full = request.request_index, plan_request(0)
+    shape = (channels, full.num_latents, canvas.latent_height, canvas.latent_width)  # [C, F0, h, w]
+    video = torch.randn(shape, generator=torch.Generator().manual_seed((seed + k * VIDEO_SEED_STRIDE) % 2**63))
     gen = torch.Generator().manual_seed(seed + k)
     torch.randn(shape, generator=gen)  # discarded full video draw, as the official H3 sampler consumes it
-    audio = torch.randn((2, request.num_audio_latents, audio_channels), generator=gen)
-    return video.transpose(0, 1).contiguous(), audio
+    audio = torch.randn((2, full.num_audio_latents, audio_channels), generator=gen)  # [2, A0, 32]
+    video = video[:, full.num_latents - request.num_latents:]  # [C, F, h, w]
+    audio = audio[:, full.num_audio_latents - request.num_audio_latents:]  # [2, A, 32]
+    return video.transpose(0, 1).contiguous(), audio.contiguous()
 
 
 def patchify(latents: torch.Tensor, patch: int = 2) -> torch.Tensor:
@@ -183,7 +191,7 @@ class StreamingSession:
         self._request: _RequestState | None = None
         self._boundary: RequestPrompt | None = None
         self._tail: torch.Tensor | None = None  # [2, 40, 32] clean teacher audio of the previous request
-        self._ref_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # per-channel mean/std [C]
+        self._ref_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # the first phase's row mean/std [96]
         self._pending_commit: tuple[_RequestState, PhasePlan, torch.Tensor, torch.Tensor] | None = None
         """The last phase's clean commit (request, phase, video rows [Tv, 96], audio rows [2A, 32]), run first by the
         next phase."""
@@ -361,15 +369,17 @@ class StreamingSession:
         return xv, xa
 
     def _renormalise(self, rows: torch.Tensor, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Clean video `[F, C, h, w]` affinely matched to the first phase's per-channel mean/std."""
-        video = unpatchify(rows.float(), ph.num_latents, self.canvas.latent_height, self.canvas.latent_width)
-        mean = video.mean(dim=(0, 2, 3))  # [C]
-        std = video.std(dim=(0, 2, 3)).clamp_min(1e-6)
-        if self._ref_stats is None:
-            return video, mean, std
-        ref_mean, ref_std = self._ref_stats
-        scale = (ref_std / std)[None, :, None, None]
-        return (video - mean[None, :, None, None]) * scale + ref_mean[None, :, None, None], mean, std
+        """Clean video `[F, C, h, w]` whose rows are affinely matched to the session's first phase's per-feature
+        (each of the rows' 96 columns) mean and population std; returns it and this phase's row statistics."""
+        # rows: [Tv, 96]
+        rows = rows.float()
+        mean = rows.mean(dim=0)  # [96]
+        std = rows.std(dim=0, unbiased=False).clamp_min(1e-6)
+        if self._ref_stats is not None:
+            ref_mean, ref_std = self._ref_stats
+            rows = (rows - mean) / std * ref_std + ref_mean
+        video = unpatchify(rows, ph.num_latents, self.canvas.latent_height, self.canvas.latent_width)
+        return video, mean, std
 
     def _commit_previous(self) -> float:
         """Run the previous phase's clean commit, if one is pending; returns its seconds. A failed commit stays

@@ -2,7 +2,8 @@
 
 Once per request, 9 audio-only Euler forwards on a 10-state shift-3 grid over the document
 [text | audio-L: tail, noise | audio-R: tail, noise] with full attention. The tail is the previous request's last
-1 s (40 latents per channel) of clean teacher audio, frozen at t = 1; request 0 has none. States 3, 6 and 9 are
+1 s (40 latents per channel) of clean teacher audio, frozen at t = 1; request 0 has none. The document's positions
+are the base model's own, not the session's timeline (`Timeline.teacher`). States 3, 6 and 9 are
 returned: they overwrite the student's audio rows after its steps 1, 2 and 3, so the published audio is exactly
 the teacher's clean latent.
 
@@ -302,8 +303,7 @@ class AudioTeacher:
         # text: [L, text_dim]; noise: [2, A, 32]; tail: [2, 40, 32] clean audio of the previous request or None
         n_tail = 0 if tail is None else tail.shape[1]
         dev = self.model.condition_proj.weight.device
-        pos_text = timeline.text(request.request_index, text.shape[0])  # [L, 3]
-        pos_audio = timeline.audio(request.audio_start - n_tail, n_tail + noise.shape[1])
+        pos_text, pos_audio = timeline.teacher(request, text.shape[0], n_tail)  # [L, 3], [2 * (n_tail + A), 3]
         valid = None
         if self.graphs is not None:  # pad to the bucket: [L, text_dim] -> [B, text_dim], positions [B, 3]
             text, pos_text, valid = pad_prompt(self.buckets, text, pos_text)

@@ -97,8 +97,21 @@ def test_timeline_later_requests_are_global_and_text_right_aligned():
     assert text[-1, 0].item() == pytest.approx(start - 1, abs=1e-4)
     assert text[0, 0].item() == pytest.approx(start - 20, abs=1e-4)
     v = tl.video(r1.phases[0]).view(10, canvas.rows_per_frame, 3)[:, 0, 0]
-    spans = [1, 4, 4, 4, 4, 1, 4, 4, 4]
+    spans = [4, 4, 4, 1, 4, 4, 4, 4, 1]  # request 1's latents are latents 37.. of the session (37 % 5 == 2)
     expect = [start + 5 / 3 * sum(spans[:i]) for i in range(10)]
     assert v.tolist() == pytest.approx(expect, abs=1e-3)
     a = tl.audio(r1.audio_start, 3)
     assert a[:3, 0].tolist() == [7 + 207.0, 7 + 208.0, 7 + 209.0]
+
+
+def test_timeline_video_of_later_requests_continues_the_base_grid():
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import _temporal_position_grid
+
+    # The session's latents lie on one grid of the base model's (1, 4, 4, 4, 4) spans counted from the session's
+    # first latent: request k >= 1 starts at latent 37 + 35 (k - 1), i.e. 2 past a span cycle, not at its start.
+    canvas = check_canvas(96, 64, CANVAS_SHORT_EDGES["tiny"])
+    L = 9
+    tl = Timeline(canvas, origin=L)
+    phases = [ph for k in range(3) for ph in plan_request(k).phases]
+    times = torch.cat([tl.video(ph).view(ph.num_latents, canvas.rows_per_frame, 3)[:, 0, 0] for ph in phases])
+    assert torch.equal(times, _temporal_position_grid(37 + 2 * 35, float(L)).float())

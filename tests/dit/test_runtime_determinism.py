@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.geometry import plan_request
+from services.dit.geometry import check_canvas, plan_request
 from services.dit.lora import LoRAAdapter, write_random_adapter
 from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime
+from services.dit.runtime import DiTRuntime, patchify, request_noise
 
 pytestmark = pytest.mark.cpu
 
@@ -90,9 +90,30 @@ def test_published_audio_is_the_teachers_clean_latent(first_run):
 
 
 def test_clean_video_renormalised_to_first_phase_statistics(first_run):
+    # per feature of the DiT's video rows [Tv, 96] (a latent channel at one of the 2x2 patch places), as the
+    # official runtime: the population mean and std of each of the 96 columns
     outs, _ = first_run
-    ref_mean = outs[0].video.mean(dim=(0, 2, 3))
-    ref_std = outs[0].video.std(dim=(0, 2, 3))
-    for out in outs[1:]:
-        assert torch.allclose(out.video.mean(dim=(0, 2, 3)), ref_mean, atol=1e-4)
-        assert torch.allclose(out.video.std(dim=(0, 2, 3)), ref_std, atol=1e-4)
+    rows = [patchify(out.video) for out in outs]
+    ref_mean, ref_std = rows[0].mean(dim=0), rows[0].std(dim=0, unbiased=False)
+    for r in rows[1:]:
+        assert torch.allclose(r.mean(dim=0), ref_mean, atol=1e-4)
+        assert torch.allclose(r.std(dim=0, unbiased=False), ref_std, atol=1e-4)
+
+
+def test_every_request_draws_request_0s_noise_shapes_and_drops_its_transport_prefix():
+    # As the official sampler: each request draws the noise of a whole 37-latent / 207-audio-latent request (the
+    # audio after a discarded draw of that video shape); a later request drops the leading 2 video latents and
+    # 207 - A audio latents per channel, the place of the previous request's tail. The video seed wraps at 2**63.
+    canvas = check_canvas(96, 64, (64,))
+    full = plan_request(0)
+    shape = (24, full.num_latents, canvas.latent_height, canvas.latent_width)  # [C, F, h, w]
+    for seed, k in ((5, 0), (5, 1), (5, 2), (5, 3), (2**63 - 1, 1)):
+        plan = plan_request(k)
+        video, audio = request_noise(seed, plan, canvas, 24, 32)
+        gen = torch.Generator().manual_seed((seed + k * 1_000_003) % 2**63)
+        want_video = torch.randn(shape, generator=gen)[:, full.num_latents - plan.num_latents:].transpose(0, 1)
+        gen = torch.Generator().manual_seed(seed + k)
+        torch.randn(shape, generator=gen)
+        want_audio = torch.randn(2 * full.num_audio_latents, 32, generator=gen).view(2, full.num_audio_latents, 32)
+        assert torch.equal(video, want_video), (seed, k)
+        assert torch.equal(audio, want_audio[:, full.num_audio_latents - plan.num_audio_latents:]), (seed, k)

@@ -44,6 +44,25 @@ def test_request_audio_shapes_cover_the_first_and_later_requests():
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("k, tail_start", [(0, None), (1, 8 + 207 - 40), (2, 8 + 198 - 40)])
+def test_teacher_document_is_the_base_models_audio_only_layout_wherever_the_request_sits(k, tail_start):
+    """As the official teacher: text at t = 0..L-1, and a later request's tail and noise placed as if the previous
+    request's whole audio (207 latents after request 0, 198 after request 1) followed the text; not on the
+    session's timeline, where the text ends against the request's media start."""
+    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    text, plan, noise, tail = request_inputs(k, 8)
+    timeline = Timeline(check_canvas(96, 64, (64,)), origin=13)  # the session's first prompt had 13 tokens
+    doc = AudioTeacher(model, None)._document(text, plan, timeline, noise, tail)
+    assert doc.pos_text[:, 0].tolist() == list(range(8))
+    assert not doc.pos_text[:, 1:].any()
+    n_tail = 0 if tail is None else TEACHER_TAIL_LATENTS
+    first = 8 if tail_start is None else tail_start
+    per_channel = [float(first + i) for i in range(n_tail + plan.num_audio_latents)]
+    assert doc.pos_audio[:, 0].tolist() == per_channel * 2
+    assert doc.pos_audio[:, 2].unique().numel() == 2  # left / right channel columns, as the student's audio rows
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("k, prompt_len", [(0, 5), (1, 8), (2, 11)])
 def test_padded_teacher_equals_the_unpadded_prompt_and_never_misses(k, prompt_len):
     model = build_random(ARGS, "cpu", torch.float32, seed=0)
