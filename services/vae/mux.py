@@ -52,6 +52,10 @@ _FORBIDDEN_VIDEO_OPTIONS = ("bf", "tune", "forced-idr", "rc-lookahead", "x264-pa
 # ISO-BMFF sample flags (ISO/IEC 14496-12 8.8.3.1): sync sample vs. sample depending on others.
 _SYNC_SAMPLE_FLAGS = 0x02000000
 _NON_SYNC_SAMPLE_FLAGS = 0x01010000
+# FFmpeg's AVColorSpace / AVColorRange / AVColorPrimaries and AVColorTransferCharacteristic codes (the H.264 VUI's).
+_AVCOL_SPC_SMPTE170M = 6
+_AVCOL_RANGE_MPEG = 1
+_AVCOL_BT709 = 1
 _UNITY_MATRIX = struct.pack(">9I", 0x00010000, 0, 0, 0, 0x00010000, 0, 0, 0, 0x40000000)
 
 
@@ -294,6 +298,10 @@ class FragmentedMP4Muxer:
         ctx.framerate = Fraction(self.fps)
         ctx.gop_size = 10 * 60 * self.fps  # chunk starts force IDRs; no periodic keyframes in between
         ctx.flags |= av.codec.context.Flags.global_header  # SPS/PPS in extradata, for avcC
+        # The SPS says how to turn the pixels back into RGB: they were converted with the BT.601 matrix at limited
+        # range (swscale's rgb24 -> yuv420p default, and `model.to_i420`). Untagged, Chrome takes BT.709.
+        ctx.colorspace, ctx.color_range = _AVCOL_SPC_SMPTE170M, _AVCOL_RANGE_MPEG
+        ctx.color_primaries = ctx.color_trc = _AVCOL_BT709  # sRGB's primaries; the usual web-video transfer
         ctx.options = options
         try:
             ctx.open()

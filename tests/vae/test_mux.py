@@ -172,6 +172,54 @@ def test_halves_encoded_in_two_threads_give_the_same_bytes(session):
         muxer.encode_audio(np.zeros((2, 10), np.float32))
 
 
+def test_the_stream_declares_the_colour_matrix_its_pixels_were_converted_with(session):
+    # RGB is converted to Y'CbCr with BT.601 limited range (swscale, and to_i420 on a GPU). An untagged stream leaves
+    # the matrix to the player: Chrome then takes BT.709, even at 864x480, and shows (200, 40, 40) as (213, 55, 39).
+    data = b"".join(session["chunks"]) + session["trailer"]
+    with av.open(io.BytesIO(data)) as container:
+        frame = next(container.decode(video=0))
+        ctx = container.streams.video[0].codec_context
+        tags = (frame.colorspace, frame.color_range, ctx.color_primaries, ctx.color_trc)
+    assert tags == (6, 1, 1, 1)  # SMPTE 170M (BT.601) matrix, limited range; BT.709 primaries and transfer
+
+
+def test_chromium_shows_the_colours_that_were_encoded():
+    import base64
+    import shutil
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium executable (Debian package 'chromium')")
+    width, height = 864, 480
+    frames = np.zeros((2, height, width, 3), np.uint8)
+    frames[:, :, :width // 2] = (200, 40, 40)
+    frames[:, :, width // 2:] = (40, 200, 40)
+    muxer = FragmentedMP4Muxer(width, height, fps=FPS, sample_rate=SR)
+    data = muxer.encode(frames, np.zeros((2, _samples_for(0, 2)), np.float32)) + muxer.close()
+    script = """async ([mime, data]) => {
+      const ms = new MediaSource(); const v = document.getElementById('v'); v.src = URL.createObjectURL(ms);
+      await new Promise(r => ms.addEventListener('sourceopen', r, {once: true}));
+      const sb = ms.addSourceBuffer(mime);
+      sb.appendBuffer(Uint8Array.from(atob(data), x => x.charCodeAt(0)));
+      await new Promise(r => { sb.onupdateend = r; });
+      ms.endOfStream();
+      await new Promise(r => { if (v.readyState >= 2) r(); else v.onloadeddata = r; });
+      const canvas = document.createElement('canvas'); canvas.width = v.videoWidth; canvas.height = v.videoHeight;
+      const g = canvas.getContext('2d'); g.drawImage(v, 0, 0);
+      return [0.25, 0.75].map(x => Array.from(g.getImageData(x * canvas.width, canvas.height / 2, 1, 1).data));
+    }"""
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.set_content("<video id=v muted></video>")
+            shown = page.evaluate(script, [muxer.mime_type, base64.b64encode(data).decode()])
+        finally:
+            browser.close()
+    assert np.abs(np.array(shown)[:, :3] - [[200, 40, 40], [40, 200, 40]]).max() <= 4  # H.264 and 4:2:0 rounding
+
+
 def test_i420_frames_encode_like_the_rgb_they_come_from():
     # What the VAE hands over from a GPU: planes converted by torch. They match swscale's own rgb24 -> yuv420p within
     # rounding, so the stream decodes back to the same picture as from RGB.
