@@ -206,7 +206,8 @@ class GrpcSession(PipelineSession):
         self.request = request
         self.vae_hello = vae_hello or tensor_pb2.TransportHello()  # goes to the DiT in SessionStart.consumer
         self.trace = trace  # the session's root span; the DiT's phase spans are its children
-        self._text_seconds = collections.deque([text_seconds])
+        self._text_seconds = {"": text_seconds}
+        """Encode seconds by event id ("": the first prompt), reported on the chunk whose request installs it."""
         self._metas: collections.deque = collections.deque()
         self._dit_call = None
         self._vae_call = None
@@ -320,8 +321,10 @@ class GrpcSession(PipelineSession):
                     self._last_meta = self._metas.popleft()
                     await self._ack(meta)
                 text_seconds = 0.0
-                if first_part and meta.first_of_request and self._text_seconds:
-                    text_seconds = self._text_seconds.popleft()
+                if first_part and meta.first_of_request:
+                    installed = [""] if meta.request_index == 0 else []
+                    text_seconds = sum(self._text_seconds.pop(e, 0.0)
+                                       for e in installed + list(meta.completed_event_ids))
                 self._log_chunk(meta, reply, len(data))
                 yield MediaChunk(
                     data=bytes(data), request_index=meta.request_index, phase_index=meta.phase_index,
@@ -412,16 +415,19 @@ class GrpcSession(PipelineSession):
             raise InvalidRequest("the session has ended")
         started = time.perf_counter()
         parts, _ = await self.pipeline.encode(self.request.request_id, prompt, self.trace.child())
-        self._text_seconds.append(time.perf_counter() - started)
+        self._text_seconds[event_id] = time.perf_counter() - started
         try:
             await self._write_prompt(event_id, parts, dit_pb2.PROMPT_ROLE_ACTIVE)
         except grpc.RpcError as exc:  # the parts never reached the DiT: their encoder slots go back from here
+            self._text_seconds.pop(event_id, None)  # never installed: no chunk reports its encode
             await self.pipeline.release_embeddings(parts)
             raise pipeline_error("dit", exc) from None
         except asyncio.InvalidStateError:  # grpc.aio: writing to a call that has finished or half-closed
+            self._text_seconds.pop(event_id, None)
             await self.pipeline.release_embeddings(parts)
             raise PipelineError("dit: the session's stream has already ended") from None
         except BaseException:  # cancelled mid-write: the parts not yet written go back from here
+            self._text_seconds.pop(event_id, None)
             unsent = [p for p in parts if p.WhichOneof("where") == "cuda" and (
                 p.cuda.pool_id, p.cuda.slot, p.cuda.generation) not in self._prompt_slots]
             await asyncio.shield(self.pipeline.release_embeddings(unsent))

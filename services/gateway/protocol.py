@@ -47,7 +47,7 @@ Error codes and whether the connection closes after the `error` message:
   interaction_failed       no      the backend rejected a prompt update; streaming continues
   stall_timeout            yes     no chunk and no ping for `stall_timeout_s`
   backend_unavailable      yes     a backend stage failed or is unreachable
-  backend_busy             yes     a backend stage has no free session capacity
+  backend_busy             yes     a backend stage had no free session capacity for `stall_timeout_s`
   internal_error           yes     anything else
   (*) closes when no session runs yet (the rejected frame was, or may have been, the start);
       stays open once a session runs (the running session continues).

@@ -10,7 +10,9 @@ position change) -> `Pipeline.start` -> chunks are forwarded in order (metadata,
 acknowledged with `session.interaction.queued` once the backend took them (updates sent while
 queued are forwarded right after the backend session starts). While a session holds a slot, a
 stretch of `stall_timeout_s` without a chunk and without a ping aborts it (waiting in the queue
-never stalls). A cancelled `run()` (client gone) cancels the backend session, then frees the slot.
+never stalls). A cancelled `run()` (client gone) cancels the backend session, then frees the slot. A stage may
+free a cancelled session a little after its slot went to the next session, so a start refused with `backend_busy`
+is retried until `stall_timeout_s`.
 """
 from __future__ import annotations
 
@@ -81,6 +83,10 @@ class Outcome(str, enum.Enum):
 
 class _Stalled(Exception):
     pass
+
+
+_BUSY_RETRY_S = 0.1
+"""Seconds between starts refused with `backend_busy` (see `Session._start_pipeline`)."""
 
 
 def _error_code(exc: PipelineError) -> ErrorCode:
@@ -267,6 +273,10 @@ class Session:
                 return outcome
             self._granted_at = self._last_progress = time.monotonic()
             self._pipe = await self._start_pipeline()
+            if self._pipe is None:
+                outcome = Outcome.STOPPED
+                await self._sink.send(SessionDone(self.request_id, 0, stopped=True))
+                return outcome
             updater = asyncio.create_task(self._forward_updates(self._pipe))
             await self._pump(self._pipe)
             outcome = Outcome.STOPPED if self.stopped else Outcome.COMPLETED
@@ -346,13 +356,32 @@ class Session:
             stop_wait.cancel()
             self._metrics.queue_wait.observe(time.monotonic() - queued_at)
 
-    async def _start_pipeline(self) -> PipelineSession:
-        try:
-            return await asyncio.wait_for(
-                self._service.pipeline.start(self.request), self._cfg.stall_timeout_s
-            )
-        except asyncio.TimeoutError:
-            raise _Stalled() from None
+    async def _start_pipeline(self) -> PipelineSession | None:
+        """Start the backend session within `stall_timeout_s`; None when stopped while the backend was busy.
+
+        The slot is ours, so a stage that answers `backend_busy` still holds the slot's previous session: the
+        gateway's cancel returns at once, but a DiT group frees a cancelled session only at its next check
+        between forwards. Such a start is retried until the deadline.
+        """
+        deadline = time.monotonic() + self._cfg.stall_timeout_s
+        logged = False
+        while True:
+            try:
+                return await asyncio.wait_for(
+                    self._service.pipeline.start(self.request), max(0.0, deadline - time.monotonic())
+                )
+            except asyncio.TimeoutError:
+                raise _Stalled() from None
+            except PipelineError as exc:
+                if exc.code != ErrorCode.BACKEND_BUSY.value or time.monotonic() + _BUSY_RETRY_S >= deadline:
+                    raise
+                if not logged:
+                    logged = True
+                    logger.info("session %s: backend still busy with the slot's previous session (%s); retrying",
+                                self.request_id, exc)
+            if self.stopped:
+                return None
+            await asyncio.sleep(_BUSY_RETRY_S)
 
     async def _pump(self, pipe: PipelineSession) -> None:
         """Forward chunks until the backend ends the stream, honouring stop and the stall clock."""

@@ -206,7 +206,7 @@ class _Connection:
             if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
                 return None
             try:
-                message = self._parse(msg)
+                message = self._parse_before_start(msg)
                 if isinstance(message, SessionStart):
                     return self._service.open(message, self._sink)
                 if isinstance(message, SessionPing):
@@ -247,6 +247,16 @@ class _Connection:
                 await self._send_error(exc, request_id=session.request_id)
             except ClientGone:
                 return
+
+    def _parse_before_start(self, msg) -> object:
+        """Parse a frame before the session starts; a frame refused as (maybe) a start counts as a rejected session
+        (`open()` counts the starts it refuses)."""
+        try:
+            return self._parse(msg)
+        except ProtocolError as exc:
+            if exc.code not in _PRESTART_KEEP_OPEN:
+                self._service.metrics.sessions_total.labels(outcome="rejected").inc()
+            raise
 
     def _parse(self, msg) -> object:
         if msg.type == WSMsgType.BINARY:

@@ -51,6 +51,9 @@ class FakeBehaviour:
     stall_after: int | None = None
     """Hang forever after this many chunks (to exercise the stall timeout)."""
     healthy: bool = True
+    release_delay_s: float = 0.0
+    """After a session's cancel returns, the backend stays busy this long (a DiT group releases its session only
+    at its next check between forwards): a start meanwhile raises PipelineError(code="backend_busy")."""
 
 
 @dataclass
@@ -65,8 +68,9 @@ class FakeRecord:
 
 
 class FakePipelineSession(PipelineSession):
-    def __init__(self, behaviour: FakeBehaviour, record: FakeRecord) -> None:
+    def __init__(self, behaviour: FakeBehaviour, record: FakeRecord, busy_until: list[float]) -> None:
         self._b = behaviour
+        self._busy_until = busy_until
         self.record = record
         req = record.request
         self._muxer = FragmentedMP4Muxer(req.width, req.height, fps=req.fps, sample_rate=SAMPLE_RATE)
@@ -84,6 +88,8 @@ class FakePipelineSession(PipelineSession):
     async def cancel(self) -> None:
         if self._b.cancel_delay_s:
             await asyncio.sleep(self._b.cancel_delay_s)
+        if not self.record.cancelled and self._b.release_delay_s:
+            self._busy_until[0] = asyncio.get_running_loop().time() + self._b.release_delay_s
         self.record.cancelled = True
         self._cancelled.set()
 
@@ -144,13 +150,19 @@ class FakePipeline(Pipeline):
     def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
         self.behaviour = behaviour or FakeBehaviour()
         self.records: list[FakeRecord] = []
+        self.busy_starts = 0
+        """Starts refused with backend_busy (the previous session not yet released)."""
+        self._busy_until = [0.0]  # loop time until which the backend is still releasing a cancelled session
 
     async def start(self, request: SessionRequest) -> PipelineSession:
         if self.behaviour.start_error is not None:
             raise self.behaviour.start_error
+        if asyncio.get_running_loop().time() < self._busy_until[0]:
+            self.busy_starts += 1
+            raise PipelineError("dit: this DiT group already streams a session", code="backend_busy")
         record = FakeRecord(request)
         self.records.append(record)
-        return FakePipelineSession(self.behaviour, record)
+        return FakePipelineSession(self.behaviour, record, self._busy_until)
 
     async def health(self) -> bool:
         return self.behaviour.healthy

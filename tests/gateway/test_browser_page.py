@@ -6,9 +6,18 @@ cleanly without them. Playwright only drives the system browser (no downloaded b
 import os
 import shutil
 
+import aiohttp
 import pytest
 
-from tests.gateway.fakes import FakeBehaviour, FakePipeline, running_gateway, small_config
+from tests.gateway.fakes import (
+    FakeBehaviour,
+    FakePipeline,
+    Transcript,
+    read_until,
+    running_gateway,
+    small_config,
+    ws_url,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -63,3 +72,39 @@ async def test_page_plays_the_stream_and_acknowledges_a_prompt_update(browser, t
     assert "(stopped)" in status, (status, console)
     assert played > 0.6
     assert [prompt for _, prompt in pipeline.records[0].updates] == ["a green bar"]
+
+
+async def test_queue_display_and_status_follow_a_queued_session_to_its_end(browser):
+    # The queue banner stayed up after a queued session was stopped, and a connection lost while queued left
+    # "waiting in queue" on screen: the page looked like it was still waiting.
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=None, chunk_delay_s=0.05))
+    config = small_config(allowed_canvases=((128, 96),), default_canvas=(128, 96), stall_timeout_s=30.0)
+    routes = []
+
+    def relay(route) -> None:  # the page's websocket goes through the test, which can cut it like a lost network
+        route.connect_to_server()
+        routes.append(route)
+
+    async with running_gateway(config, pipeline) as server:
+        async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server)) as holder:
+            await holder.send_json({"type": "session.start", "prompt": "holds the only slot"})
+            await read_until(holder, Transcript(), until="video.chunk_metadata")
+            page = await browser.new_page()
+            await page.route_web_socket("**/v1/realtime/video", relay)
+            await page.goto(str(server.make_url("/")))
+            await page.click("#start")
+            await page.wait_for_function("document.body.dataset.state === 'queued'", timeout=10000)
+            assert await page.is_visible("#queue")
+            await page.click("#stop")
+            await page.wait_for_function("document.body.dataset.state === 'done'", timeout=10000)
+            assert await page.is_hidden("#queue"), "the queue banner outlived the queued session"
+            await page.wait_for_function("!document.querySelector('#start').disabled", timeout=10000)
+
+            await page.click("#start")
+            await page.wait_for_function("document.body.dataset.state === 'queued'", timeout=10000)
+            await routes[-1].close(code=1001, reason="gone")
+            await page.wait_for_function("!document.querySelector('#start').disabled", timeout=10000)
+            status = await page.locator("#status").inner_text()
+            assert "queue" not in status and await page.get_attribute("body", "data-state") == "closed", status
+            assert await page.is_hidden("#queue")
+            await page.close()  # ends the relay's own connection to the gateway

@@ -211,6 +211,17 @@ async def test_rejected_start_closes_with_named_code(server, frame, code):
     await assert_server_recovers(server)
 
 
+async def test_every_rejected_start_is_counted_as_a_rejected_session(server):
+    # Starts refused by the parser (a negative seed, a missing prompt) were missing from
+    # vitascope_sessions_total{outcome="rejected"}, which counted only the deployment checks (canvas, model).
+    for frame in ({"type": "session.start", "prompt": "p", "seed": -1}, {"type": "session.start"},
+                  {"type": "session.start", "prompt": "p", "width": 10, "height": 10}):
+        await rejected_start(server, frame)
+    async with aiohttp.ClientSession() as http, http.get(server.make_url("/metrics")) as resp:
+        text = await resp.text()
+    assert 'vitascope_sessions_total{outcome="rejected"} 3.0' in text, text
+
+
 async def test_no_session_start_in_time():
     pipeline = FakePipeline(FakeBehaviour(num_chunks=2))
     async with running_gateway(small_config(start_timeout_s=0.3), pipeline) as server:

@@ -7,6 +7,7 @@
   silently: no reply for that update, and every later update was never forwarded.
 - Cancelling `GrpcSession.open()` after the DiT accepted the session left the DiT call (and its slot) open.
 - NaN and Infinity (accepted by Python's JSON parser) were echoed in video.start as text no browser can parse.
+- Prompt encode seconds were handed out one per request, not with the request that installed the prompt.
 """
 import asyncio
 
@@ -27,6 +28,7 @@ from tests.gateway.fakes import (
 )
 from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2
+from vitascope.vae.v1 import vae_pb2
 
 pytestmark = pytest.mark.cpu
 
@@ -210,3 +212,46 @@ def test_nan_and_infinity_are_not_json_and_are_never_echoed(constant):
         parse_client_text(text, LIMITS)
     assert info.value.code == ErrorCode.INVALID_JSON
     assert constant in info.value.message
+
+
+async def test_prompt_encode_seconds_ride_on_the_request_that_installs_the_prompt():
+    # Three updates sent during request 0 are installed together at request 1. Their encode seconds were handed
+    # out one per request instead, so requests 2 and 3, which encoded nothing, reported text seconds; and an
+    # update whose write to the DiT failed left seconds behind for a later request.
+    class _Calls(_FakeCall):
+        def __init__(self, replies=(), fail_writes=False):
+            super().__init__()
+            self._replies, self.fail_writes = list(replies), fail_writes
+
+        async def write(self, _message):
+            if self.fail_writes:
+                raise asyncio.InvalidStateError("RPC already finished")
+
+        async def read(self):
+            return self._replies.pop(0) if self._replies else grpc_pipeline.grpc.aio.EOF
+
+    class _Encoder:
+        async def encode(self, *_args):
+            await asyncio.sleep(0.02)
+            return [tensor_pb2.TensorPart()], 0.0
+
+        async def release_embeddings(self, _parts):
+            pass
+
+    request = SessionRequest(request_id="video_stream-test", prompt="p", seed=1, width=64, height=48, fps=24)
+    session = grpc_pipeline.GrpcSession(_Encoder(), request, 0.5, grpc_pipeline.tracing.SpanContext.new_root())
+    session._dit_call = _Calls()
+    for event_id in ("e1", "e2", "e3"):
+        await session.update_prompt(event_id, f"prompt {event_id}")
+    session._dit_call.fail_writes = True
+    with pytest.raises(grpc_pipeline.PipelineError):
+        await session.update_prompt("lost", "never reaches the DiT")
+    session._dit_call.fail_writes = False
+    completed = {1: ["e1", "e2", "e3"]}
+    session._metas.extend(dit_pb2.PhaseMeta(request_index=k, phase_index=0, first_of_request=True,
+                                            completed_event_ids=completed.get(k, [])) for k in range(4))
+    session._vae_call = _Calls([vae_pb2.DecodeResponse(data=b"x", last=True, num_frames=1) for _ in range(4)])
+    text = [chunk.timings.text async for chunk in session.chunks()]
+    assert text[0] == 0.5
+    assert text[1] >= 0.06
+    assert text[2:] == [0.0, 0.0], text

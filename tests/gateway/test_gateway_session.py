@@ -146,6 +146,49 @@ async def test_second_client_waits_with_positions_and_starts_when_first_ends():
     assert [r.request.prompt for r in pipeline.records] == ["first", "second", "third"]
 
 
+async def test_queued_session_starts_while_the_backend_still_releases_the_previous_one():
+    # A DiT group frees a cancelled session only at its next check between forwards, after the gateway's cancel
+    # returned and the slot went to the next in line: that start must wait for the group, not fail backend_busy.
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=None, chunk_delay_s=0.02, release_delay_s=0.5))
+    async with running_gateway(small_config(queue_limit=1), pipeline) as server:
+        async with aiohttp.ClientSession() as http:
+            a = await http.ws_connect(ws_url(server))
+            b = await http.ws_connect(ws_url(server))
+            ta, tb = Transcript(), Transcript()
+            await a.send_json({"type": "session.start", "prompt": "first"})
+            await read_until(a, ta, until="video.chunk_metadata")
+            await b.send_json({"type": "session.start", "prompt": "second"})
+            await read_until(b, tb, until="session.queued")
+            await a.close()
+            chunk = await read_until(b, tb, until="video.chunk_metadata")
+            await b.close()
+    assert chunk is not None and not tb.of_type("error"), tb.texts
+    assert pipeline.busy_starts >= 1
+    assert [r.request.prompt for r in pipeline.records] == ["first", "second"]
+
+
+async def test_stop_while_the_backend_still_releases_the_previous_session_ends_the_session():
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=None, chunk_delay_s=0.02, release_delay_s=30.0))
+    async with running_gateway(small_config(queue_limit=1), pipeline) as server:
+        async with aiohttp.ClientSession() as http:
+            a = await http.ws_connect(ws_url(server))
+            b = await http.ws_connect(ws_url(server))
+            tb = Transcript()
+            await a.send_json({"type": "session.start", "prompt": "first"})
+            await read_until(a, Transcript(), until="video.chunk_metadata")
+            await b.send_json({"type": "session.start", "prompt": "second"})
+            await read_until(b, tb, until="session.queued")
+            await a.close()
+            while pipeline.busy_starts == 0:
+                await asyncio.sleep(0.01)
+            await b.send_json({"type": "session.stop"})
+            done = await read_until(b, tb, until="session.done", timeout=3.0)
+            await b.close()
+        await wait_for_health(server, sessions_active=0)
+    assert done is not None and done["stopped"] is True and done["chunks"] == 0
+    assert not tb.of_type("error") and len(pipeline.records) == 1
+
+
 async def test_stalled_backend_is_aborted_with_stall_timeout():
     pipeline = FakePipeline(FakeBehaviour(num_chunks=None, stall_after=1))
     async with running_gateway(small_config(stall_timeout_s=0.3), pipeline) as server:

@@ -160,11 +160,13 @@ function onMessage(msg) {
       markUpdate(msg.event_id, "queued", "queued");
       break;
     case "session.done":
+      $("queue").hidden = true;
       streamDone = true;
       pumpAppends();
       setStatus(`done: ${msg.chunks} chunks${msg.stopped ? " (stopped)" : ""}`, "done");
       break;
     case "error":
+      if (!msg.event_id) $("queue").hidden = true;
       if (msg.event_id) markUpdate(msg.event_id, "failed", `${msg.code}: ${msg.message}`);
       setStatus(`error ${msg.code}: ${msg.message}`, msg.event_id ? null : "error", true);
       break;
@@ -180,6 +182,7 @@ function resetPlayer() {
   mediaSource = null;
   streamDone = false;
   chunkCount = 0;
+  $("queue").hidden = true;
   $("player").removeAttribute("src");
   $("chunks").querySelector("tbody").replaceChildren();
   $("updates").replaceChildren();
@@ -214,9 +217,9 @@ function start() {
   ws.onclose = () => {
     clearInterval(pingTimer);
     setRunning(false);
-    if (document.body.dataset.state === "streaming" || document.body.dataset.state === "connecting") {
-      setStatus("connection closed", "closed");
-    }
+    $("queue").hidden = true;
+    const state = document.body.dataset.state;  // done and error already say how the session ended
+    if (state !== "done" && state !== "error") setStatus("connection closed", "closed");
   };
 }
 
