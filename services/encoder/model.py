@@ -309,13 +309,16 @@ class TextEncoder:
                     time.perf_counter() - started, list(buckets.sizes))
 
     def tokenize(self, prompt: str) -> list[int]:
-        """Return the token ids of the raw prompt (no chat template, no special tokens added)."""
+        """Return the token ids of the stripped raw prompt (no chat template, no special tokens added).
+
+        Leading and trailing whitespace is dropped first, as TaoMate-H3 does to every prompt before tokenizing.
+        """
         if self.tokenizer is None:
             raise EncoderInputError("this text encoder has no tokenizer (random-weight checkpoint); "
                                     "use encode_ids() with token ids")
         if not isinstance(prompt, str) or not prompt.strip():
             raise EncoderInputError("prompt is empty; send at least one non-blank character")
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(prompt.strip(), add_special_tokens=False)["input_ids"])
 
     @torch.inference_mode()
     def encode(self, prompt: str) -> torch.Tensor:

@@ -69,6 +69,17 @@ def test_raw_prompt_no_chat_template_and_causal(ckpt):
     torch.testing.assert_close(enc.encode_ids(prefix_ids), full[:5], rtol=1e-5, atol=1e-5)
 
 
+def test_prompt_is_stripped_before_tokenizing(ckpt):
+    # TaoMate-H3 strips every prompt (runtime precompute_text_prompts, config resolve_prompts) before it becomes
+    # ids, so surrounding whitespace and newlines must not reach the tokenizer.
+    enc = TextEncoder.load(ckpt, "tiny", "cpu", torch.float32)
+    padded = "  \n" + PROMPT + " \t\n"
+    assert enc.tokenize(padded) == enc.tokenize(PROMPT)
+    torch.testing.assert_close(enc.encode(padded), enc.encode(PROMPT), rtol=0, atol=0)
+    # Inner whitespace is the prompt's own and stays.
+    assert enc.tokenize("a  cat") != enc.tokenize("a cat")
+
+
 def test_loader_skips_vision_and_late_layer_shards(ckpt, tmp_path):
     root = _copy(ckpt, tmp_path)
     index = _index(root)["weight_map"]
