@@ -26,7 +26,7 @@ from services.dit.layout import pack_layout
 from services.dit.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model import PRESETS, DiT, FullAttention, build_random
 from services.dit.runtime import DiTRuntime, block_graph_shapes
-from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, VIDEO_SIGMAS, model_t
+from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, TEACHER_TEXT_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,9 @@ WARMUP_SEED = 0
 
 
 def runtime_timesteps() -> list[float]:
-    """Every model timestep the runtime uses: student steps, the clean commit, and the audio teacher grid."""
-    sigmas = set(VIDEO_SIGMAS) | set(AUDIO_SIGMAS) | set(TEACHER_SIGMAS)
+    """Every model timestep the runtime uses: student steps, the clean commit, and the audio teacher's two grids (its
+    audio rows' and its text rows' video clock)."""
+    sigmas = set(VIDEO_SIGMAS) | set(AUDIO_SIGMAS) | set(TEACHER_SIGMAS) | set(TEACHER_TEXT_SIGMAS)
     return sorted({model_t(s) for s in sigmas})
 
 

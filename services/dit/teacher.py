@@ -1,7 +1,8 @@
 """Audio teacher: the base model (LoRA suspended) writes each request's audio from text alone.
 
 Once per request, 9 audio-only Euler forwards on a 10-state shift-3 grid over the document
-[text | audio-L: tail, noise | audio-R: tail, noise] with full attention. The tail is the previous request's last
+[text | audio-L: tail, noise | audio-R: tail, noise] with full attention; the text rows take the video clock (the
+10-state shift-12 grid), as text rows do in every forward. The tail is the previous request's last
 1 s (40 latents per channel) of clean teacher audio, frozen at t = 1; request 0 has none. The document's positions
 are the base model's own, not the session's timeline (`Timeline.teacher`). States 3, 6 and 9 are
 returned: they overwrite the student's audio rows after its steps 1, 2 and 3, so the published audio is exactly
@@ -40,7 +41,7 @@ from services.dit.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_reques
 from services.dit.layout import PackedLayout, pack_layout, pad_prompt
 from services.dit.lora import LoRAAdapter
 from services.dit.model import DiT, FullAttention
-from services.dit.schedule import TEACHER_MILESTONES, TEACHER_SIGMAS, euler_step, model_t
+from services.dit.schedule import TEACHER_MILESTONES, TEACHER_SIGMAS, TEACHER_TEXT_SIGMAS, euler_step, model_t
 from services.dit.session import CancelToken
 from services.dit.shared_host import SharedHostRegion
 from services.dit.timeline import Timeline
@@ -58,12 +59,13 @@ def request_audio_shapes() -> list[tuple[int, int]]:
 
 def step_layout(step: int, text_len: int, n_tail: int, num: int, pos_text: torch.Tensor, pos_audio: torch.Tensor,
                 device: torch.device) -> PackedLayout:
-    """Layout of teacher step `step`: the text at the step's t, the tail rows at t = 1, the new rows at the step's t."""
-    t = model_t(TEACHER_SIGMAS[step])
+    """Layout of teacher step `step`: the text at the step's video t (`TEACHER_TEXT_SIGMAS`), the tail rows at
+    t = 1, the new rows at the step's audio t."""
+    t, text_t = model_t(TEACHER_SIGMAS[step]), model_t(TEACHER_TEXT_SIGMAS[step])
     row_t = ([1.0] * n_tail + [t] * num) * 2
     return pack_layout(text_len=text_len, audio_len_per_channel=n_tail + num, video_rows=0,
                        positions_text=pos_text, positions_audio=pos_audio, positions_video=torch.zeros(0, 3),
-                       video_t=t, text_t=t, audio_timesteps=row_t).to(device)
+                       video_t=text_t, text_t=text_t, audio_timesteps=row_t).to(device)
 
 
 def step_forward(model: DiT, layout: PackedLayout, blocks: range | None = None, first: bool = True,

@@ -14,6 +14,7 @@ from services.dit.layout import pack_layout
 from services.dit.model import PRESETS, FullAttention, build_random
 from services.dit.session import CancelToken
 from services.dit.teacher import STEPS, AudioTeacher, request_audio_shapes
+from services.dit.teacher import step_layout as teacher_step_layout
 from services.dit.timeline import Timeline
 
 ARGS = PRESETS["tiny"]
@@ -149,3 +150,21 @@ def test_graph_settings_are_validated():
                 dit=DiTConfig(devices=("cuda:0",), cuda_graphs=True, prompt_buckets=(128, 256)))
     usp2 = load_profile(pathlib.Path(__file__).parents[2] / "configs" / "usp2_fp8.yaml")
     assert usp2.dit.cuda_graphs and usp2.dit.prompt_buckets[-1] >= usp2.encoder.max_tokens
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("step", range(STEPS))
+def test_teacher_text_rows_take_the_video_clock(step):
+    """As the official teacher's denoise loop: text (and pad) rows run at the video timestep of a 10-state shift-12
+    grid, the new audio rows at the shift-3 grid's, the clean tail rows at t = 1."""
+    from services.dit.schedule import TEACHER_SIGMAS, TEACHER_TEXT_SIGMAS, model_t
+
+    n_tail, num, text_len = TEACHER_TAIL_LATENTS, 198, 8
+    layout = teacher_step_layout(step, text_len, n_tail, num, torch.zeros(text_len, 3),
+                                 torch.zeros(2 * (n_tail + num), 3), torch.device("cpu"))
+    row_t = layout.timesteps[layout.timestep_slot].tolist()
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+    assert row_t[:text_len] == [f32(model_t(TEACHER_TEXT_SIGMAS[step]))] * text_len
+    audio = row_t[text_len:text_len + 2 * (n_tail + num)]
+    assert audio == ([1.0] * n_tail + [f32(model_t(TEACHER_SIGMAS[step]))] * num) * 2
+    assert set(row_t[layout.num_real:]) <= {f32(model_t(TEACHER_TEXT_SIGMAS[step]))}
