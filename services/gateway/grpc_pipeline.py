@@ -312,7 +312,7 @@ class GrpcSession(PipelineSession):
                 if not reply.last:
                     continue
                 if reply.trailer:  # the last message the VAE sends
-                    yield self._trailer(bytes(data))
+                    yield self._trailer(bytes(data), reply.num_frames)
                     data = bytearray()
                     continue
                 meta = self._metas[0]
@@ -358,12 +358,13 @@ class GrpcSession(PipelineSession):
             if exc is not None:
                 raise PipelineError(f"dit → vae forwarding failed: {exc}")
 
-    def _trailer(self, data: bytes) -> MediaChunk:
-        """The muxer's closing bytes, labelled with the last phase delivered before them."""
+    def _trailer(self, data: bytes, num_frames: int) -> MediaChunk:
+        """The stream's closing bytes (the decoder's held-back last `num_frames` frames, the muxer's closing
+        fragment), labelled with the last phase delivered before them."""
         meta = self._last_meta
-        log.info("trailer received (%d bytes)", len(data))
+        log.info("trailer received (%d bytes, %d frames)", len(data), num_frames)
         return MediaChunk(data=data, request_index=meta.request_index if meta else 0,
-                          phase_index=meta.phase_index if meta else 0, num_frames=0, num_audio_samples=0,
+                          phase_index=meta.phase_index if meta else 0, num_frames=num_frames, num_audio_samples=0,
                           audio_sample_rate=(meta.audio_sample_rate if meta else 0) or AUDIO_SAMPLE_RATE,
                           kind="trailer")
 

@@ -3,7 +3,7 @@
 Knows nothing about gRPC, muxing or the DiT. It builds the video VAE of a preset with seeded random weights directly
 on the device (zero-initialised gates, register tokens and biases get noise so every block matters), casts it the way
 `from_pretrained(torch_dtype=...)` does (diffusers' `_keep_in_fp32_modules` stay float32), and times two phases of one
-stream: the 12-latent first phase (39 frames) and a 10-latent later phase (2 carried + 10 latents -> 34 frames).
+stream: the 12-latent first phase (34 frames out, 5 held) and a 10-latent later phase (2 carried + 10 latents -> 34 frames).
 
 - old: `AutoencoderKLMiniMaxH3.decode` (one ViT call per spatial tile per 17-frame clip) + the wrapper's
   post-processing, which is what `VideoDecoder.decode_pixels` did before batching;
@@ -145,8 +145,9 @@ def run(opts: argparse.Namespace) -> list[str]:
 
     inc = IncrementalVideoDecoder(decoder)
     new_first, new_later = inc.decode_pixels(first), inc.decode_pixels(later)
-    old_first = legacy_decode_pixels(vae, first)
-    old_later = legacy_decode_pixels(vae, carried)[inc.context_frames:]
+    # the stream's frames are the whole decode's, less the 5 it holds back at the end
+    whole = legacy_decode_pixels(vae, torch.cat([first, later]))
+    old_first, old_later = whole[:new_first.shape[0]], whole[new_first.shape[0]:-inc.context_frames]
     ys, _, _, xs, _, _ = decoder.tile_grid(opts.height, opts.width)
     held = "" if device.type != "cuda" else \
         f", {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB held before timing (weights + kept outputs)"

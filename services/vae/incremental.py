@@ -9,14 +9,15 @@ give 17 frames (1 + 4 + 4 + 4 + 4; the first latent's 3 leading frames are the e
 the 2 overlap latents give `frame_overlap` = 5 frames (1 + 4) that are cross-faded with the head of the next clip.
 Each clip is decoded independently (full attention inside the clip only), so a decode is clip-local.
 
-Streaming uses the same rule as TaoMate-H3's per-request "transport prefix": every call after the first prepends
-the previous call's last `token_overlap` (2) latents, decodes with diffusers and drops the `frame_overlap` (5)
-frames those latents produce. The first call must hold 2 + 5k latents (request 0 phase 0: 12 -> 39 frames), later
-calls 5k latents (10 -> 34, 5 -> 17). Every frame then equals the whole-clip decode (bit for bit when the decoder runs
-one tile per ViT call; within float reassociation, about 1e-7, when the whole decode batches more clips per call than
-a phase does) except the 5 frames just before each call boundary: the whole decode cross-fades them with the next
-clip's head, which needs latents that have not been generated yet, so here they are the earlier clip's own decode
-(the cut the official runtime also makes between requests).
+TaoMate-H3 publishes one decode of the whole session's latents (runner.py: each request's transport prefix is cropped,
+the requests are concatenated and decoded once), so every clip boundary, phase and request boundaries included, is
+cross-faded. Streaming reproduces it: every call after the first prepends the previous call's last `token_overlap`
+(2) latents, and the last clip's `frame_overlap` (5) overlap frames of each call are held back (model space, before
+the clamp) and cross-faded into the next call's first clip head, which those 2 latents decode. The first call must
+hold 2 + 5k latents (request 0 phase 0: 12 latents -> 34 frames out, 5 held), later calls 5k latents (10 -> 34,
+5 -> 17); `flush()` gives the held frames at the end of a stream (the whole decode's last 5 frames). Every frame
+then equals the whole decode (bit for bit when the decoder runs one tile per ViT call; within float reassociation,
+about 1e-7, when the whole decode batches more clips per call than a phase does), 5 frames (208 ms) later.
 
 Audio: the BigVGAN decoder is a stack of non-causal convolutions. Each call decodes
 `[last context_latents of earlier calls | new latents | last new latent repeated pad_latents times]` and returns only
@@ -32,7 +33,7 @@ from typing import Iterator
 
 import torch
 
-from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, to_i420, to_uint8
+from services.vae.model import AudioDecoder, InvalidLatents, TemporalCarry, VideoDecoder, to_i420, to_uint8
 
 # Sample radius of one anti-aliased activation (2x up, Kaiser-sinc kernel 12, 2x down), at the block's rate.
 _ACTIVATION_RADIUS = 6
@@ -64,17 +65,35 @@ class IncrementalVideoDecoder:
         self.context_latents = vae.token_overlap
         """Latents carried into the next call (2)."""
         self.context_frames = vae.frame_overlap
-        """Frames the carried latents decode to, dropped from the next call's output (5)."""
+        """Frames the carried latents decode to, held back from each call and given by the next one (5)."""
         self._context: torch.Tensor | None = None  # [2, 24, h, w] of the previous call
+        self._carry = TemporalCarry()
 
     def reset(self) -> None:
-        """Forget the carried context; the next call starts a new stream."""
+        """Forget the carried context and the held frames; the next call starts a new stream."""
         self._context = None
+        self._carry = TemporalCarry()
+
+    @torch.inference_mode()
+    def flush_pixels(self) -> torch.Tensor | None:
+        """End the stream: return its held-back last frames as float RGB `[5, H, W, 3]` (None when none are held)
+        and reset, so a next call starts a new stream."""
+        held = self._carry.overlap
+        self.reset()
+        return None if held is None else self.decoder.to_rgb(held)
+
+    @torch.inference_mode()
+    def flush_for_mux(self) -> torch.Tensor | None:
+        """`flush_pixels` in the muxer's input of `decode_parts_for_mux`."""
+        pixels = self.flush_pixels()
+        if pixels is None:
+            return None
+        return to_i420(pixels) if pixels.is_cuda else to_uint8(pixels)
 
     def expected_frames(self, num_latents: int) -> int:
         """Return the frames the next `decode` of `num_latents` latents will return, or raise InvalidLatents."""
         if self._context is None:
-            return self.decoder.num_frames(num_latents)
+            return self.decoder.num_frames(num_latents) - self.context_frames
         if num_latents < self.clip_latents or num_latents % self.clip_latents:
             raise InvalidLatents(
                 f"after the first phase each phase must hold a multiple of {self.clip_latents} video latents "
@@ -125,9 +144,7 @@ class IncrementalVideoDecoder:
                     f"{tuple(latents.shape[1:])}; call reset() for a new canvas")
             latents = torch.cat([context, latents])  # latents: [2 + F, 24, h, w]
         head_clips = 1 if len(sizes) > 1 else 0
-        for i, frames in enumerate(self.decoder.decode_pixel_parts(latents, head_clips)):  # [n(+5), H, W, 3]
-            if i == 0 and context is not None:
-                frames = frames[self.context_frames:]
+        for i, frames in enumerate(self.decoder.decode_pixel_parts(latents, head_clips, self._carry)):  # [n, H, W, 3]
             if frames.shape[0] != sizes[i]:  # a geometry mismatch would silently shift the timeline
                 raise RuntimeError(f"video decode returned {frames.shape[0]} frames, expected {sizes[i]}")
             if i == len(sizes) - 1:

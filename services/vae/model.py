@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import ContextManager, Iterator, Sequence
 
 import torch
@@ -109,6 +110,15 @@ def build_video_vae(preset: str) -> AutoencoderKLMiniMaxH3:
 def build_audio_vae(preset: str) -> AutoencoderKLMiniMaxH3Audio:
     """Construct the audio VAE of `preset` with the library's default initialisation (CPU, float32)."""
     return AutoencoderKLMiniMaxH3Audio(**_preset(AUDIO_PRESETS, preset, "audio VAE"))
+
+
+@dataclass
+class TemporalCarry:
+    """A stream's held-back video frames between two decodes of consecutive latents."""
+
+    overlap: torch.Tensor | None = None
+    """Model-space `[3, 5, H, W]`: the overlap frames of the last clip decoded so far. A whole decode cross-fades
+    them with the next clip's first 5 frames, so they are final only once that clip is decoded (None at first)."""
 
 
 class VideoDecoder:
@@ -207,17 +217,20 @@ class VideoDecoder:
         rows = [[decoded[:, i * len(xs) + j] for j in range(len(xs))] for i in range(len(ys))]
         return vae._stitch_tiles(rows, y_overlaps, x_overlaps)  # [K, 3, 28, H, W]
 
-    def _decode_clip_parts(self, z: torch.Tensor, parts: Sequence[range]) -> Iterator[torch.Tensor]:
+    def _decode_clip_parts(self, z: torch.Tensor, parts: Sequence[range],
+                           carry: TemporalCarry | None = None) -> Iterator[torch.Tensor]:
         """Decode denormalised latents `z: [C, F, h, w]` (F = 2 + 5k) part by part, each part a run of consecutive
         clips decoded in one batch; yield each part's model-space frames `[3, n, H, W]` as soon as they are final.
-        The parts' frames together are the whole decode's."""
+        The parts' frames together are the whole decode's. With `carry`, its overlap frames (from the decode of the
+        latents before `z`, whose last 2 latents are `z`'s first 2) are cross-faded into the first clip's head and
+        yielded, and the last clip's overlap frames are held in `carry` instead of yielded."""
         vae = self.vae
         # Each clip's first 5 latents give 17 frames (after the 3 pre-padding frames), its 2 overlap latents give the
         # 5 frames that are cross-faded into the next clip's head; the last clip's overlap frames end the video. So
         # a part's frames are final once its clips are decoded, except its last clip's overlap frames, which go
         # into the next part's first head.
         chunk, pre = vae.tokens_chunk_size * self.temporal_ratio, vae.frame_pre_padding
-        carried = None  # [3, 5, H, W]: the overlap frames of the previous part's last clip
+        carried = None if carry is None else carry.overlap  # [3, 5, H, W]: the previous clip's overlap frames
         for i, clips in enumerate(parts):
             video = self._clip_videos(z, clips)
             heads = video[:, :, pre:chunk]  # [k, 3, 17, H, W]
@@ -230,10 +243,12 @@ class VideoDecoder:
             pieces = [heads[0]] if carried is None else []
             if before.shape[0]:
                 pieces += vae._blend(before, heads[-before.shape[0]:], vae.frame_overlap, dim=-3).unbind(0)
-            if i == len(parts) - 1:
+            if i < len(parts) - 1:
+                carried = tails[-1]
+            elif carry is None:
                 pieces.append(tails[-1])
             else:
-                carried = tails[-1]
+                carry.overlap = tails[-1]
             yield torch.cat(pieces, dim=1)
 
     def _decode_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
@@ -260,10 +275,11 @@ class VideoDecoder:
         return rgb
 
     @torch.inference_mode()
-    def decode_pixel_parts(self, latents: torch.Tensor, head_clips: int) -> Iterator[torch.Tensor]:
+    def decode_pixel_parts(self, latents: torch.Tensor, head_clips: int,
+                           carry: TemporalCarry | None = None) -> Iterator[torch.Tensor]:
         """Decode normalised latents `[F, 24, h, w]` in two parts, the first `head_clips` clips and then the rest
         (in one part when `head_clips` is 0); yield each part's float RGB frames `[n, H, W, 3]` in [0, 1] as soon
-        as it is decoded."""
+        as it is decoded. `carry`: see `_decode_clip_parts`."""
         self.validate(latents)
         self.num_frames(latents.shape[0])
         num_clips = (latents.shape[0] - self.vae.token_overlap) // self.vae.tokens_chunk_size
@@ -273,9 +289,13 @@ class VideoDecoder:
         parts = [range(head_clips), range(head_clips, num_clips)] if head_clips else [range(num_clips)]
         # z: [1, C, F, h, w], denormalised per channel, in the dtype of the first decoder module (like diffusers).
         z = latents.to(self.device, torch.float32).permute(1, 0, 2, 3)[None] * self._std + self._mean
-        for sample in self._decode_clip_parts(z[0].to(get_parameter_dtype(self.vae.post_quant_conv)), parts):
-            rgb = sample.permute(1, 2, 3, 0).float()  # sample: [3, n, H, W] -> rgb: [n, H, W, 3]
-            yield (rgb * self._rgb_std + self._rgb_mean).clamp_(0.0, 1.0)
+        for sample in self._decode_clip_parts(z[0].to(get_parameter_dtype(self.vae.post_quant_conv)), parts, carry):
+            yield self.to_rgb(sample)
+
+    def to_rgb(self, sample: torch.Tensor) -> torch.Tensor:
+        """Model-space frames `[3, n, H, W]` -> float RGB `[n, H, W, 3]` in [0, 1] (ImageNet de-normalised, clamped)."""
+        rgb = sample.permute(1, 2, 3, 0).float()  # sample: [3, n, H, W] -> rgb: [n, H, W, 3]
+        return (rgb * self._rgb_std + self._rgb_mean).clamp_(0.0, 1.0)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode normalised latents `[F, 24, h, w]` to uint8 frames `[N, H, W, 3]` on the CPU."""

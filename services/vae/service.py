@@ -63,7 +63,7 @@ class DecodeSession:
             raise InvalidInput(f"fps={fps}: the video decoder's frames are {VIDEO_FPS} per second")
         self.width, self.height = width, height
         self._frames = 0
-        """Frames of the phases accepted so far."""
+        """Frames the latents of the phases accepted so far span (those muxed and the decoder's held-back ones)."""
         self._audio_latents = 0
         """Audio latents per channel of the phases accepted so far."""
         self.video = IncrementalVideoDecoder(video)
@@ -96,7 +96,9 @@ class DecodeSession:
             self.audio.decoder.validate(audio_latents)
         except InvalidLatents as exc:
             raise InvalidInput(str(exc)) from None
-        self._check_audio_covers_video(sum(parts), audio_latents.shape[1])
+        # the phase's latents span its frames and, on a stream's first phase, the 5 the video decoder holds back
+        held = self.video.context_frames if self._frames == 0 else 0
+        self._check_audio_covers_video(sum(parts) + held, audio_latents.shape[1])
         fragments = [[n] for n in parts]  # frames of each fragment, per decoded part
         if self.mux.frames_encoded == 0 and parts[0] > FIRST_FRAGMENT_FRAMES:
             fragments[0] = [FIRST_FRAGMENT_FRAMES, parts[0] - FIRST_FRAGMENT_FRAMES]
@@ -162,10 +164,17 @@ class DecodeSession:
         return seconds, [(b - a, self.mux.encode_audio(samples[:, a:b])) for a, b in zip(bounds, bounds[1:])]
 
     def close(self) -> Chunk:
-        """Close the muxer: its last fragment holds the audio the AAC encoder still held (b'' when none)."""
+        """Close the stream: the video decoder's held-back last frames (their audio went out with the last phase) in
+        a fragment of their own, then the muxer's closing fragment with the audio the AAC encoder still held (b''
+        when nothing was ever muxed)."""
         t0 = time.perf_counter()
-        data = self.mux.close()
-        return Chunk(data=data, num_frames=0, num_audio_samples=0, video_decode_seconds=0.0,
+        held = self.video.flush_for_mux() if self.mux.frames_encoded else None
+        num_frames, data = 0, b""
+        if held is not None:
+            num_frames = held.shape[0]
+            data = self.mux.emit(self.mux.encode_video(held.numpy()), EncodedTrack(0, []))
+        data += self.mux.close()
+        return Chunk(data=data, num_frames=num_frames, num_audio_samples=0, video_decode_seconds=0.0,
                      audio_decode_seconds=0.0, mux_seconds=time.perf_counter() - t0)
 
 

@@ -34,9 +34,9 @@ FPS = 24
 SAMPLE_RATE = 32000
 AAC_FRAME_SAMPLES = 1024
 AUDIO_LATENT_HOP = 800  # samples per audio latent step: per-chunk audio counts are multiples of it
-# frames per chunk: 124 + 119, the session's first phase (39 frames) in three chunks: its first 5 frames, the rest of
-# its first clip, the rest
-FIRST_TWO_REQUESTS = [5, 12, 22, 34, 34, 17, 34, 34, 34, 17]
+# frames per chunk: the session's first phase in three chunks (its first 5 frames, the rest of its first clip, the
+# rest); every phase's last 5 frames wait for the next phase, which cross-fades them (the trailer has the last 5)
+FIRST_TWO_REQUESTS = [5, 12, 17, 34, 34, 17, 34, 34, 34, 17]
 FIRST_TWO_PHASES = [(0, 0), (0, 0), (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
 DIT_ONLY_CANVAS = (320, 224)  # the gateway allows it in this profile, the DiT's short edges (192, 256) do not
 SESSION_TIMEOUT_S = 150.0
@@ -218,7 +218,8 @@ def test_stream_decodes_to_the_announced_frames_samples_and_duration(main_sessio
     kinds = [m["kind"] for m in main_session.metas]
     assert kinds == ["media"] * (len(kinds) - 1) + ["trailer"]
     trailer = main_session.metas[-1]
-    assert trailer["num_frames"] == 0 and trailer["num_audio_samples"] == 0 and trailer["byte_length"] > 0
+    # the decoder's held-back last 5 frames (their audio came with the last phase) and the muxer's closing bytes
+    assert trailer["num_frames"] == 5 and trailer["num_audio_samples"] == 0 and trailer["byte_length"] > 0
     metas = _media(main_session)
     assert len(metas) >= 11
     assert [m["num_frames"] for m in metas[:10]] == FIRST_TWO_REQUESTS
@@ -226,7 +227,7 @@ def test_stream_decodes_to_the_announced_frames_samples_and_duration(main_sessio
     assert [m["transport_chunk_index"] for m in metas] == list(range(len(metas)))
     assert [m["generation_chunk_index"] for m in metas[:10]] == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7]  # one per phase
     assert all(m["audio_sample_rate"] == SAMPLE_RATE for m in metas)
-    frames = sum(m["num_frames"] for m in metas)
+    frames = sum(m["num_frames"] for m in main_session.metas)  # the trailer's held-back frames too
     fed = sum(m["num_audio_samples"] for m in metas)
     assert abs(fed - frames * SAMPLE_RATE / FPS) < AUDIO_LATENT_HOP  # the DiT keeps audio with video
 
@@ -234,7 +235,7 @@ def test_stream_decodes_to_the_announced_frames_samples_and_duration(main_sessio
     assert len(video) == frames
     assert (video[0].width, video[0].height) == (320, 192)
     assert [f.time for f in video] == pytest.approx([i / FPS for i in range(frames)])  # monotonic, no gaps
-    starts = [sum(m["num_frames"] for m in metas[:i]) for i in range(len(metas))]
+    starts = [sum(m["num_frames"] for m in main_session.metas[:i]) for i in range(len(main_session.metas))]
     assert [i for i, f in enumerate(video) if f.key_frame] == starts  # every chunk starts with a keyframe
 
     assert audio[0].pts == 0 and audio[0].sample_rate == SAMPLE_RATE and audio[0].layout.nb_channels == 2

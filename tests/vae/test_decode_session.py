@@ -65,13 +65,18 @@ def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker)
     cut5, cut17 = 5 * AUDIO_SAMPLE_RATE // VIDEO_FPS, 17 * AUDIO_SAMPLE_RATE // VIDEO_FPS
     want = [mux.encode(head[:5].numpy(), samples[:, :cut5]), mux.encode(head[5:].numpy(), samples[:, cut5:cut17]),
             mux.encode(tail.numpy(), samples[:, cut17:])]
-    want += [mux.encode(vdec.decode(v).numpy(), adec.decode(a).numpy()) for v, a in rest] + [mux.close()]
+    want += [mux.encode(vdec.decode(v).numpy(), adec.decode(a).numpy()) for v, a in rest]
+    # closing: the 5 frames the video decoder held back (the whole decode's last), then the AAC encoder's tail
+    want.append(mux.encode(vdec.flush_for_mux().numpy(), torch.zeros(2, 0).numpy())
+                + mux.close())
     stream = session(decoders, worker)
     chunks = [c for v, a in phases for c in stream.phase(v, a)]
-    assert [c.data for c in chunks] + [stream.close().data] == want
+    last = stream.close()
+    assert [c.data for c in chunks] + [last.data] == want
     assert [(c.num_frames, c.num_audio_samples, c.phase_continues) for c in chunks] == [
-        (5, cut5, True), (12, cut17 - cut5, True), (22, 65 * 800 - cut17, False), (34, 57 * 800, False),
+        (5, cut5, True), (12, cut17 - cut5, True), (17, 65 * 800 - cut17, False), (34, 57 * 800, False),
         (17, 28 * 800, False)]
+    assert last.num_frames == 5
     assert [c.video_decode_seconds > 0 for c in chunks[:3]] == [True, False, True]  # the decode is the part's
 
 
@@ -80,8 +85,8 @@ def test_the_first_chunk_goes_out_before_the_rest_of_the_first_phase_is_decoded(
     decoded = []
     real = stream.video.decoder.decode_pixel_parts
 
-    def parts(latents, head_clips):
-        for frames in real(latents, head_clips):
+    def parts(latents, head_clips, carry):
+        for frames in real(latents, head_clips, carry):
             decoded.append(frames.shape[0])
             yield frames
     monkeypatch.setattr(stream.video.decoder, "decode_pixel_parts", parts)
@@ -90,7 +95,7 @@ def test_the_first_chunk_goes_out_before_the_rest_of_the_first_phase_is_decoded(
     assert decoded == [17] and first.phase_continues and first.data.startswith(b"\x00\x00\x00")
     assert first.num_frames == 5
     assert next(chunks).num_frames == 12 and decoded == [17]  # the rest of the first clip, before the next decode
-    assert [c.num_frames for c in chunks] == [22] and decoded == [17, 22]
+    assert [c.num_frames for c in chunks] == [17] and decoded == [17, 17]
 
 
 def test_audio_decodes_in_the_worker_while_the_video_decodes(decoders, worker, monkeypatch):
