@@ -283,22 +283,22 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
             log.info("session started: %dx%d", session.canvas.width, session.canvas.height)
             requests = asyncio.create_task(reader.run(session))
             try:
-                yield dit_pb2.StreamResponse(started=dit_pb2.Started(
-                    kv_capacity_rows=session.kv.capacity if session.kv is not None else 0))
+                await context.write(dit_pb2.StreamResponse(started=dit_pb2.Started(
+                    kv_capacity_rows=session.kv.capacity if session.kv is not None else 0)))
                 while True:
                     for message in release_messages(reader):  # prompt slots copied out since the last phase
-                        yield message
+                        await context.write(message)
                     if not await credit.acquire():
                         break
                     for message in release_messages(reader):  # ... and while waiting for the credit
-                        yield message
+                        await context.write(message)
                     out = await asyncio.to_thread(session.next_phase)
                     span = session_span.child()
                     observe(out, span)
                     messages = await asyncio.to_thread(phase_messages, out, span, send)
                     credit.sent(out.meta.request_index, out.meta.phase_index)
                     for message in messages:
-                        yield message
+                        await context.write(message)
                 log.info("session ended: the client closed its request stream")
             except asyncio.CancelledError:
                 log.info("session cancelled by the client")
@@ -306,12 +306,14 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
             except Exception as exc:  # the boundary: every failure becomes a status
                 await abort_with(context, credit.error or exc)  # the request reader's error cancels the session
             finally:
-                requests.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await requests
-                await asyncio.shield(asyncio.to_thread(session.cancel))  # a group's cancel talks to the other ranks
-                self._end_leases(leases)
-                ACTIVE_SESSIONS.dec()
+                try:
+                    requests.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await requests
+                    await asyncio.shield(asyncio.to_thread(session.cancel))  # a group's cancel talks to the ranks
+                finally:  # also when the call is cancelled meanwhile (a client's cancel ends its stream first)
+                    self._end_leases(leases)
+                    ACTIVE_SESSIONS.dec()
 
     @staticmethod
     def _end_leases(leases: SessionLeases | None) -> None:

@@ -121,8 +121,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             sent = False
             try:
                 for part in parts:
-                    yield encoder_pb2.EncodeResponse(embedding=part, num_tokens=num_tokens,
-                                                     encode_seconds=encoded.seconds)
+                    await context.write(encoder_pb2.EncodeResponse(embedding=part, num_tokens=num_tokens,
+                                                                   encode_seconds=encoded.seconds))
                 sent = True
             finally:
                 if not sent:  # cancelled before the last part went out: the caller will not release the slot

@@ -120,7 +120,7 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                                     observe(index, request.phase_end, chunk)
                                     for message in chunk_messages(index, chunk, release_video=video_release,
                                                                   release_audio=audio_release):
-                                        yield message
+                                        await context.write(message)
                                     index, video_release, audio_release = index + 1, None, None
                             finally:  # a cancelled call leaves its phase: the shared decoders are freed for others
                                 if making is not None:  # cancelled while a chunk was made: it ends first
@@ -135,7 +135,7 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
                 log.info("decode session closed after %d chunks (trailer %d bytes)", index, len(tail.data))
                 if tail.data:
                     for message in chunk_messages(index, tail, trailer=True):
-                        yield message
+                        await context.write(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the boundary: every failure becomes a status
