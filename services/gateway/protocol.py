@@ -7,6 +7,7 @@ dataclasses into JSON-ready dicts.
 Client -> server (JSON text frames):
   session.start        first message, within `start_timeout_s`, <= `max_start_bytes`
   session.interaction  {"interaction": {"event_id"?, "event": {"prompt"}, "transition_chunks"?}}
+                       (an event id whose update got `interaction_failed` may be used again)
   session.stop         ends the session; the server answers `session.done{stopped: true}`
   session.ping         refreshes the stall clock; the server answers `session.pong`
 Server -> client: video.start, video.chunk_metadata (+ exactly one binary fMP4 frame after it),
@@ -19,6 +20,13 @@ other 12, then the rest): all carry that phase's `generation_chunk_index` and in
 As in vLLM-Omni, `extra_params.pace_to_media_time` (+ `pacing_lead_seconds`, `pacing_max_lag_seconds`) makes the
 gateway send each chunk no earlier than its media time; `extra_params.hold_for_prompt`
 (+ `hold_max_seconds`, `hold_fallback_prompt`) is passed to the backend as `HoldSettings`.
+session.start is read as vLLM-Omni reads its VideoGenerationRequest: a `sampling_params` object supplies request
+fields absent at the top level, and its other keys go into `extra_params`; `video_params{width, height, fps,
+num_frames}` fills fields absent at the top level, `size` ("WxH") wins over width/height, `seconds` sets num_frames
+(at fps). `num_frames` is a frame budget, as for TaoMate-H3 in vLLM-Omni: the session streams the whole 5 s requests
+that hold that many frames (124 in the first, 119 in each later one), then a trailer and `session.done{stopped:
+false}`; without it the session runs until stopped. `num_inference_steps`, `guidance_scale` and `negative_prompt`
+are type-checked and ignored, other unknown fields ignored. The trailer's `generation_chunk_index` is null.
 
 Error codes and whether the connection closes after the `error` message:
   code                     closes  when
@@ -65,12 +73,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 from typing import Any, ClassVar, Union
 
+from services.common.media import VIDEO_FPS
 from services.gateway.pipeline import HoldSettings
 
 FORMAT_M4S = "m4s"
@@ -154,6 +164,9 @@ class SessionStart:
     height: int | None = None
     fps: int | None = None
     seed: int | None = None
+    num_frames: int | None = None
+    """Frame budget: the session ends after the whole 5 s requests that hold this many frames (None: until
+    stopped)."""
     hold: HoldSettings = field(default_factory=HoldSettings)
     pacing: PacingSettings | None = None
     """None: send chunks as soon as they are ready."""
@@ -189,8 +202,15 @@ class SessionPing:
 
 ClientMessage = Union[SessionStart, SessionInteraction, SessionStop, SessionPing]
 
-_START_IGNORED = {"num_frames": int, "num_inference_steps": int, "guidance_scale": float,
-                  "negative_prompt": str}
+_START_IGNORED = {"num_inference_steps": int, "guidance_scale": float, "negative_prompt": str}
+# The fields of vLLM-Omni's VideoGenerationRequest: a `sampling_params` key outside them goes into extra_params.
+_REQUEST_FIELDS = frozenset({
+    "model", "prompt", "seconds", "size", "image_reference", "video_params", "user", "width", "height", "fps",
+    "num_frames", "negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2", "boundary_ratio",
+    "flow_shift", "true_cfg_scale", "seed", "generate_sound", "sound_duration", "enable_frame_interpolation",
+    "frame_interpolation_exp", "frame_interpolation_scale", "frame_interpolation_model_path", "quality", "lora",
+    "extra_params",
+})
 _START_UNSUPPORTED = ("image_reference", "lora")
 _HOLD_KEYS = ("hold_for_prompt", "hold_max_seconds", "hold_fallback_prompt")
 _PACING_KEYS = ("pace_to_media_time", "pacing_lead_seconds", "pacing_max_lag_seconds")
@@ -301,9 +321,52 @@ def _positive(value: int | None, where: str) -> int | None:
     return value
 
 
-def _parse_start(body: dict[str, Any], limits: MessageLimits) -> SessionStart:
+def _fold_sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    """Fold `sampling_params` in as vLLM-Omni does: request fields not given at the top level move up, every other
+    key goes into extra_params (over the top-level extra_params)."""
     sampling = _field(body, "sampling_params", dict, "session.start")
-    merged = {**(sampling or {}), **{k: v for k, v in body.items() if k != "sampling_params"}}
+    merged = {k: v for k, v in body.items() if k != "sampling_params"}
+    if not sampling:
+        return merged
+    extra = dict(_field(merged, "extra_params", dict, "session.start") or {})
+    for key, value in sampling.items():
+        if key in _REQUEST_FIELDS and key not in merged:
+            merged[key] = value
+        else:
+            extra[key] = value
+    if extra:
+        merged["extra_params"] = extra
+    return merged
+
+
+def _parse_video_params(merged: Mapping[str, Any]) -> tuple[int | None, int | None, int | None, int | None]:
+    """(width, height, fps, num_frames) resolved as VideoGenerationRequest does: top-level fields, then
+    `video_params`; `size` ("WxH") wins over both; `seconds` counts frames at the requested fps."""
+    where = "session.start"
+    nested = _field(merged, "video_params", dict, where) or {}
+    values = []
+    for key in ("width", "height", "fps", "num_frames"):
+        value = _positive(_field(merged, key, int, where), f"{where}.{key}")
+        if value is None:
+            value = _positive(_field(nested, key, int, f"{where}.video_params"), f"{where}.video_params.{key}")
+        values.append(value)
+    width, height, fps, num_frames = values
+    size = _field(merged, "size", str, where)
+    if size is not None:
+        match = re.fullmatch(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})", size)
+        if match is None:
+            raise ProtocolError(ErrorCode.INVALID_VALUE, f"{where}.size={size!r} must be 'WIDTHxHEIGHT'")
+        width, height = int(match[1]), int(match[2])
+    seconds = _field(merged, "seconds", str, where)
+    if seconds is not None and re.fullmatch(r"[1-9][0-9]{0,5}", seconds) is None:
+        raise ProtocolError(ErrorCode.INVALID_VALUE, f"{where}.seconds={seconds!r} must be a positive whole number")
+    if num_frames is None and seconds is not None:
+        num_frames = int(seconds) * (fps or VIDEO_FPS)
+    return width, height, fps, num_frames
+
+
+def _parse_start(body: dict[str, Any], limits: MessageLimits) -> SessionStart:
+    merged = _fold_sampling_params(body)
     for key in _START_UNSUPPORTED:
         if merged.get(key) is not None:
             raise ProtocolError(ErrorCode.UNSUPPORTED_FIELD, f"session.start.{key} is not supported")
@@ -325,14 +388,16 @@ def _parse_start(body: dict[str, Any], limits: MessageLimits) -> SessionStart:
     pacing = _parse_pacing(extra)
     for key in _HOLD_KEYS + _PACING_KEYS:
         extra.pop(key, None)
+    width, height, fps, num_frames = _parse_video_params(merged)
     return SessionStart(
         prompt=prompt,
         model=_field(merged, "model", str, "session.start"),
         format=FORMAT_M4S,
-        width=_positive(_field(merged, "width", int, "session.start"), "session.start.width"),
-        height=_positive(_field(merged, "height", int, "session.start"), "session.start.height"),
-        fps=_positive(_field(merged, "fps", int, "session.start"), "session.start.fps"),
+        width=width,
+        height=height,
+        fps=fps,
         seed=seed,
+        num_frames=num_frames,
         hold=hold,
         pacing=pacing,
         extra_params=MappingProxyType(extra),
@@ -385,7 +450,10 @@ def _parse_interaction(body: dict[str, Any], limits: MessageLimits) -> SessionIn
     if event_id is not None:
         _check_unicode(event_id, f"{where}.event_id")
     try:
-        transition = _field(interaction, "transition_chunks", int, where)
+        transition = interaction.get("transition_chunks")
+        if isinstance(transition, float) and transition.is_integer():  # 2.0 is 2, as in vLLM-Omni
+            transition = int(transition)
+        transition = _field({"transition_chunks": transition}, "transition_chunks", int, where)
         if transition is not None and transition < 0:
             raise ProtocolError(
                 ErrorCode.INVALID_VALUE, f"{where}.transition_chunks={transition} must be >= 0"
@@ -426,7 +494,8 @@ class ChunkMetadata:
     request_id: str
     kind: str
     transport_chunk_index: int
-    generation_chunk_index: int
+    generation_chunk_index: int | None
+    """The phase's index; None on the trailer, which belongs to no phase."""
     request_index: int
     phase_index: int
     num_frames: int
@@ -441,6 +510,9 @@ class ChunkMetadata:
     def __post_init__(self) -> None:
         if self.byte_length <= 0:
             raise ValueError(f"ChunkMetadata.byte_length={self.byte_length} must be > 0")
+        if (self.generation_chunk_index is None) != (self.kind == "trailer"):
+            raise ValueError(f"ChunkMetadata.generation_chunk_index={self.generation_chunk_index} must be None "
+                             f"exactly on the trailer (kind={self.kind!r})")
 
     def to_wire(self) -> dict[str, Any]:
         return {

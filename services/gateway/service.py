@@ -88,6 +88,19 @@ class _Stalled(Exception):
 _BUSY_RETRY_S = 0.1
 """Seconds between starts refused with `backend_busy` (see `Session._start_pipeline`)."""
 
+# TaoMate-H3's request geometry (services/dit/geometry.py, which the gateway cannot import: it pulls in torch).
+_FIRST_REQUEST_FRAMES = 124
+_LATER_REQUEST_FRAMES = 119
+_PHASES_PER_REQUEST = 4
+
+
+def requests_for_frames(num_frames: int) -> int:
+    """Whole 5 s requests needed to publish at least `num_frames` frames (as vLLM-Omni's TaoMate-H3 counts)."""
+    if num_frames <= 0:
+        raise ValueError(f"num_frames={num_frames} must be > 0")
+    later = max(0, num_frames - _FIRST_REQUEST_FRAMES)
+    return 1 + -(-later // _LATER_REQUEST_FRAMES)
+
 
 def _error_code(exc: PipelineError) -> ErrorCode:
     try:
@@ -158,7 +171,7 @@ class SessionService:
         request_id = f"video_stream-{uuid.uuid4()}"
         try:
             request = self.build_request(start, request_id)
-            session = Session(self, request, sink, start.pacing)
+            session = Session(self, request, sink, start.pacing, num_frames=start.num_frames)
         except ProtocolError:
             self.metrics.sessions_total.labels(outcome="rejected").inc()
             raise
@@ -186,8 +199,10 @@ class Session:
     """One client's session: queue wait, generation, updates, stop, stall and cancellation."""
 
     def __init__(self, service: SessionService, request: SessionRequest, sink: MessageSink,
-                 pacing: PacingSettings | None = None) -> None:
+                 pacing: PacingSettings | None = None, *, num_frames: int | None = None) -> None:
         self._service = service
+        self._num_frames = num_frames
+        self._max_requests = requests_for_frames(num_frames) if num_frames is not None else None
         self._pacing = pacing
         self._pacer = MediaPacer(pacing) if pacing is not None else None
         self._cfg = service.config
@@ -327,8 +342,12 @@ class Session:
         if self._pacing is not None:
             extra.update(pace_to_media_time=True, pacing_lead_seconds=self._pacing.lead_s,
                          pacing_max_lag_seconds=self._pacing.max_lag_s)
-        return {"model": self._cfg.model, "prompt": req.prompt, "seed": req.seed, "width": req.width,
-                "height": req.height, "fps": req.fps, "format": "m4s", "extra_params": extra}
+        config: dict[str, object] = {
+            "model": self._cfg.model, "prompt": req.prompt, "seed": req.seed, "width": req.width,
+            "height": req.height, "fps": req.fps, "format": "m4s", "extra_params": extra}
+        if self._num_frames is not None:
+            config["num_frames"] = self._num_frames
+        return config
 
     async def _wait_for_slot(self) -> bool:
         """Wait for a slot, reporting position changes; return True if stopped while waiting."""
@@ -403,6 +422,10 @@ class Session:
                     if delay > 0:
                         await asyncio.wait({stop_wait}, timeout=delay)
                 await self._send_chunk(chunk)
+                if self._drain_deadline is None and self._ends_budget(chunk):
+                    # The frame budget is spent: end the stream as a completed one (trailer, session.done).
+                    self._drain_deadline = time.monotonic() + self._cfg.drain_timeout_s
+                    await self._cancel_pipe(pipe)
         finally:
             stop_wait.cancel()
             with contextlib.suppress(Exception):
@@ -438,10 +461,16 @@ class Session:
             if not step.done():
                 step.cancel()
 
+    def _ends_budget(self, chunk: MediaChunk) -> bool:
+        """True when `chunk` completes the last request of the session's `num_frames` budget."""
+        return (self._max_requests is not None and chunk.kind == "media" and not chunk.phase_continues
+                and chunk.request_index >= self._max_requests - 1
+                and chunk.phase_index == _PHASES_PER_REQUEST - 1)
+
     async def _send_chunk(self, chunk: MediaChunk) -> None:
         metadata = ChunkMetadata(
-            request_id=self.request_id, kind=chunk.kind,
-            transport_chunk_index=self._chunks_sent, generation_chunk_index=self._media_chunks,
+            request_id=self.request_id, kind=chunk.kind, transport_chunk_index=self._chunks_sent,
+            generation_chunk_index=self._media_chunks if chunk.kind == "media" else None,
             request_index=chunk.request_index, phase_index=chunk.phase_index,
             num_frames=chunk.num_frames, num_audio_samples=chunk.num_audio_samples,
             audio_sample_rate=chunk.audio_sample_rate, byte_length=len(chunk.data),
@@ -462,10 +491,12 @@ class Session:
                 await pipe.update_prompt(event_id, prompt)
             except PipelineError as exc:
                 logger.info("session %s: update %s rejected: %s", self.request_id, event_id, exc)
+                self._event_ids.discard(event_id)  # as in vLLM-Omni, a failed update's event id may be reused
                 await self._send_error(ErrorCode.INTERACTION_FAILED, exc.message, event_id=event_id)
                 continue
             except Exception as exc:  # noqa: BLE001 - one failed update must not end the forwarding task
                 logger.exception("session %s: update %s failed unexpectedly", self.request_id, event_id)
+                self._event_ids.discard(event_id)
                 await self._send_error(ErrorCode.INTERACTION_FAILED,
                                        f"the update could not be forwarded ({type(exc).__name__})",
                                        event_id=event_id)
