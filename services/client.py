@@ -9,6 +9,15 @@ playable fragmented MP4; `--remux` rewrites them as a progressive MP4 (stream co
 Clocks: `--clock media` (default) measures seconds of media received (frames / fps), so updates land at
 the same place in the video however fast the server is; `--clock wall` measures seconds since the
 first chunk arrived.
+
+`--hold` (`extra_params.hold_for_prompt`) makes the server wait, at each ~5 s request boundary after the first, for
+a prompt newer than the last applied; without `--hold-max-seconds` that wait has no end. Under `--clock media` the
+clock then stops with the media, so an `--update` scheduled past the boundary could never become due. The client
+therefore treats "hold unbounded, every sent update taken by the server, and no media for `--hold-idle-seconds`"
+as a held server: it sends the next scheduled update at once (it lands at this boundary, the earliest it can), and
+once no update is left it sends `session.stop` and ends with the media it already has, logging why (the run still
+exits 0; `ClientResult.stop_reason` says so). For updates to land where scheduled, schedule one before each
+boundary; or pass `--hold-max-seconds` (a hold then ends by itself) or `--clock wall`.
 """
 from __future__ import annotations
 
@@ -78,6 +87,9 @@ class ClientOptions:
     clock: str = "media"
     ping_interval_s: float = 10.0
     remux: bool = False
+    hold_idle_s: float = 10.0
+    """With an unbounded `--hold` and `--clock media`: this long without media while the server has every sent
+    update means the server holds for a prompt (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if not self.prompt.strip():
@@ -88,8 +100,17 @@ class ClientOptions:
             raise ValueError(f"--clock={self.clock!r} must be 'media' or 'wall'")
         if self.ping_interval_s <= 0:
             raise ValueError(f"--ping-interval={self.ping_interval_s} must be > 0")
+        if self.hold_idle_s <= 0:
+            raise ValueError(f"--hold-idle-seconds={self.hold_idle_s} must be > 0")
+        if self.hold_max_seconds is not None and self.hold_max_seconds < 0:
+            raise ValueError(f"--hold-max-seconds={self.hold_max_seconds} must be >= 0 (0 = no limit)")
         if not self.url.startswith(("ws://", "wss://")):
             raise ValueError(f"--url={self.url!r} must start with ws:// or wss://")
+
+    @property
+    def hold_unbounded(self) -> bool:
+        """A hold can last forever: only a prompt update ends it."""
+        return self.hold and not self.hold_max_seconds
 
 
 @dataclass(frozen=True)
@@ -126,6 +147,8 @@ class ClientResult:
     data: bytearray = field(default_factory=bytearray)
     media_seconds: float = 0.0
     wall_seconds: float = 0.0
+    stop_reason: str | None = None
+    """Why the client stopped before `--seconds` (a held server with no update left); None otherwise."""
 
     @property
     def time_to_first_chunk_s(self) -> float | None:
@@ -145,6 +168,10 @@ class _Run:
         self.t_start = 0.0
         self.t_first_chunk: float | None = None
         self.t_last = 0.0
+        self.t_progress = 0.0
+        """Monotonic time of the last binary frame or sent update (the hold detector's idle clock)."""
+        self.taken: set[str] = set()
+        """Event ids the server reported started/completed on a chunk, or rejected with an error."""
         self.meta: dict[str, Any] | None = None
 
     def clock(self) -> float:
@@ -175,16 +202,47 @@ class _Run:
             return
         now = self.clock()
         while self.pending_updates and self.pending_updates[0].at_s <= now:
-            update = self.pending_updates.pop(0)
-            event_id = f"cli-{uuid.uuid4().hex[:8]}"
-            self.result.sent_updates[event_id] = update
-            logger.info("t=%.2fs  update %s: %s", now, event_id, update.prompt)
-            await ws.send_str(json.dumps({"type": "session.interaction", "interaction": {
-                "event_id": event_id, "event": {"prompt": update.prompt}}}))
+            await self._send_update(ws, now)
         if now >= self.options.seconds:
-            self.stop_sent = True
-            logger.info("t=%.2fs  sending session.stop", now)
-            await ws.send_str(json.dumps({"type": "session.stop"}))
+            await self._send_stop(ws, now)
+        elif self.server_holds():
+            idle = time.monotonic() - self.t_progress
+            if self.pending_updates:
+                logger.warning("t=%.2fs  no media for %.1f s and the server has every update: it holds for a new "
+                               "prompt (--hold); sending the update scheduled at %.2f s now", now, idle,
+                               self.pending_updates[0].at_s)
+                await self._send_update(ws, now)
+            else:
+                self.result.stop_reason = (
+                    f"the server holds for a new prompt after {now:.2f} s of media (--hold without "
+                    f"--hold-max-seconds) and every --update was sent, so no media can come; stopped short of "
+                    f"--seconds={self.options.seconds:g}. Schedule an --update before each ~5 s request boundary, "
+                    f"or pass --hold-max-seconds so a hold ends by itself (or --clock wall)")
+                logger.warning("t=%.2fs  %s", now, self.result.stop_reason)
+                await self._send_stop(ws, now)
+
+    def server_holds(self) -> bool:
+        """True when the media clock cannot advance: an unbounded hold has nothing to wait for but our next update."""
+        o = self.options
+        if not (o.hold_unbounded and o.clock == "media") or self.t_first_chunk is None:
+            return False
+        if any(event_id not in self.taken for event_id in self.result.sent_updates):
+            return False  # the server has an update it has not applied yet: it is not (or not for long) held
+        return time.monotonic() - self.t_progress >= o.hold_idle_s
+
+    async def _send_update(self, ws: aiohttp.ClientWebSocketResponse, now: float) -> None:
+        update = self.pending_updates.pop(0)
+        event_id = f"cli-{uuid.uuid4().hex[:8]}"
+        self.result.sent_updates[event_id] = update
+        self.t_progress = time.monotonic()
+        logger.info("t=%.2fs  update %s: %s", now, event_id, update.prompt)
+        await ws.send_str(json.dumps({"type": "session.interaction", "interaction": {
+            "event_id": event_id, "event": {"prompt": update.prompt}}}))
+
+    async def _send_stop(self, ws: aiohttp.ClientWebSocketResponse, now: float) -> None:
+        self.stop_sent = True
+        logger.info("t=%.2fs  sending session.stop", now)
+        await ws.send_str(json.dumps({"type": "session.stop"}))
 
     def on_text(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
@@ -209,6 +267,8 @@ class _Run:
             r.done = msg
         elif kind == "error":
             r.errors.append(msg)
+            if msg.get("event_id"):
+                self.taken.add(str(msg["event_id"]))  # a rejected update will never apply
             logger.warning("server error %s: %s", msg.get("code"), msg.get("message"))
 
     def on_binary(self, data: bytes) -> None:
@@ -229,7 +289,9 @@ class _Run:
             arrived_s=now - self.t_start, interval_s=now - (self.t_last or self.t_start),
             completed_event_ids=tuple(meta.get("completed_event_ids") or ()),
         )
-        self.t_last = now
+        self.t_last = self.t_progress = now
+        self.taken.update(str(e) for e in meta.get("started_event_ids") or ())
+        self.taken.update(stat.completed_event_ids)
         r.chunks.append(stat)
         r.data.extend(data)
         r.media_seconds += stat.num_frames / self.fps
@@ -319,7 +381,8 @@ def _summary(result: ClientResult) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.client", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m services.client", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n")[-1])
     p.add_argument("--url", default="ws://127.0.0.1:8000/v1/realtime/video")
     p.add_argument("--prompt", required=True)
     p.add_argument("--seconds", type=float, default=20.0, help="stop after this many seconds (see --clock)")
@@ -331,8 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int)
     p.add_argument("--height", type=int)
     p.add_argument("--model")
-    p.add_argument("--hold", action="store_true", help="hold each 5 s request until a new prompt arrives")
-    p.add_argument("--hold-max-seconds", type=float)
+    p.add_argument("--hold", action="store_true",
+                   help="hold each 5 s request until a new prompt arrives. With --clock media and no "
+                        "--hold-max-seconds, a held server gets the next --update at once, and once none is left "
+                        "the client stops with the media it has (see --hold-idle-seconds)")
+    p.add_argument("--hold-max-seconds", type=float,
+                   help="longest hold; then the server continues with the previous (or fallback) prompt "
+                        "(0 or unset: no limit)")
+    p.add_argument("--hold-idle-seconds", type=float, default=10.0,
+                   help="with an unbounded --hold and --clock media: this long without media, while the server "
+                        "has every sent update, means it holds for a prompt (default 10)")
     p.add_argument("--pace", action="store_true", help="ask the server to send chunks at media speed")
     p.add_argument("--clock", choices=("media", "wall"), default="media")
     p.add_argument("--ping-interval", type=float, default=10.0)
@@ -349,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             updates=tuple(parse_update(u) for u in args.update), out=args.out, seed=args.seed,
             width=args.width, height=args.height, model=args.model, hold=args.hold,
             hold_max_seconds=args.hold_max_seconds, pace=args.pace, clock=args.clock,
-            ping_interval_s=args.ping_interval, remux=args.remux,
+            ping_interval_s=args.ping_interval, remux=args.remux, hold_idle_s=args.hold_idle_seconds,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -359,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("session failed: %s", exc)
         return 1
     logger.info("%s", _summary(result))
+    if result.stop_reason is not None:
+        logger.warning("ended early: %s", result.stop_reason)
     missing = [eid for eid in result.sent_updates if eid not in result.applied_at]
     if missing:
         logger.info("updates not applied before the end: %s", missing)

@@ -3,7 +3,9 @@
 The fake uses the shared `services.vae.mux.FragmentedMP4Muxer`, so browsers and PyAV can play
 what it produces. Frames are a moving bar whose colour follows the current prompt; audio is a
 tone. Prompt updates are installed at the next chunk boundary and reported in the chunk's
-`completed_event_ids`, as the real backend does.
+`completed_event_ids`, as the real backend does. A request is 4 chunks; with `request.hold.enabled`, request k >= 1
+waits for a prompt update newer than the last installed one (forever, or `hold.max_seconds`, then the fallback
+prompt if any), as the DiT does.
 """
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ class FakeRecord:
     chunks: int = 0
     cancelled: bool = False
     closed: bool = False
+    holds: list[int] = field(default_factory=list)
+    """Request indexes at which the session held for a prompt (found none pending at the boundary)."""
 
 
 class FakePipelineSession(PipelineSession):
@@ -78,12 +82,14 @@ class FakePipelineSession(PipelineSession):
         self._prompt = req.prompt
         self._active_event = ""
         self._cancelled = asyncio.Event()
+        self._prompt_arrived = asyncio.Event()
 
     async def update_prompt(self, event_id: str, prompt: str) -> None:
         if prompt in self._b.reject_prompts:
             raise InvalidRequest(f"prompt {prompt!r} rejected by the fake", code="interaction_failed")
         self.record.updates.append((event_id, prompt))
         self._pending.append((event_id, prompt))
+        self._prompt_arrived.set()
 
     async def cancel(self) -> None:
         if self._b.cancel_delay_s:
@@ -101,6 +107,9 @@ class FakePipelineSession(PipelineSession):
                     break
                 if self._b.stall_after is not None and index >= self._b.stall_after:
                     await self._cancelled.wait()
+                    break
+                await self._hold(index)
+                if self._cancelled.is_set():
                     break
                 if self._b.chunk_delay_s:
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -128,6 +137,22 @@ class FakePipelineSession(PipelineSession):
                                  num_frames=0, num_audio_samples=0, kind="trailer")
         finally:
             self.record.closed = True
+
+    async def _hold(self, index: int) -> None:
+        """At a request boundary after request 0 with hold on: wait for a prompt (or cancel, or the hold's end)."""
+        hold = self.record.request.hold
+        if not hold.enabled or index == 0 or index % 4 != 0 or self._pending:
+            return
+        self.record.holds.append(index // 4)
+        self._prompt_arrived.clear()
+        waits = [asyncio.ensure_future(self._prompt_arrived.wait()), asyncio.ensure_future(self._cancelled.wait())]
+        try:
+            await asyncio.wait(waits, timeout=hold.max_seconds or None, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if not self._pending and not self._cancelled.is_set() and hold.fallback_prompt is not None:
+            self._prompt = hold.fallback_prompt  # the hold expired
 
     def _render(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         req = self.record.request

@@ -1,5 +1,6 @@
 """The CLI client against a live gateway with the fake pipeline."""
 import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import av
 import pytest
 
-from services.client import ClientError, ClientOptions, PromptUpdate, parse_update, stream, write_output
+from services.client import ClientError, ClientOptions, PromptUpdate, build_parser, parse_update, stream, write_output
 from tests.gateway.fakes import FakeBehaviour, FakePipeline, running_gateway, small_config, ws_url
 
 pytestmark = pytest.mark.cpu
@@ -76,3 +77,49 @@ def test_update_syntax():
             parse_update(bad)
     with pytest.raises(ValueError, match="--clock"):
         ClientOptions(url="ws://h/v1/realtime/video", prompt="p", clock="sundial")
+
+
+def held_stream(server, **kw) -> ClientOptions:
+    """Options of a --hold run against the fake: 4 chunks of 6 frames (1 s of media) per request."""
+    return ClientOptions(url=ws_url(server), prompt="a lake", hold=True, ping_interval_s=0.5, **kw)
+
+
+async def test_unbounded_hold_with_no_update_left_stops_with_the_media_it_has(caplog):
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=None, frames_per_chunk=6, chunk_delay_s=0.01))
+    caplog.set_level(logging.INFO, logger="services.client")
+    async with running_gateway(small_config(), pipeline) as server:
+        result = await asyncio.wait_for(stream(held_stream(
+            server, seconds=5, hold_idle_s=1.0, updates=(PromptUpdate(1.0, "a storm"),))), 15)
+    record = pipeline.records[0]
+    assert record.holds[-1] == 2 and record.cancelled  # request 1 got the storm; request 2 waited for nothing
+    assert [p for _, p in record.updates] == ["a storm"] and list(result.applied_at.values()) == [4]
+    assert result.done is not None and result.done["stopped"] is True
+    assert result.media_seconds == pytest.approx(2.0)  # everything generated before the hold
+    assert "--hold" in result.stop_reason and "--hold-max-seconds" in result.stop_reason
+    assert "--update" in result.stop_reason and "--seconds=5" in result.stop_reason
+    assert any(r.levelno == logging.WARNING and "--hold-max-seconds" in r.getMessage() for r in caplog.records)
+    assert "--hold-idle-seconds" in build_parser().format_help()
+
+
+async def test_a_held_server_gets_the_next_scheduled_update_at_once():
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=None, frames_per_chunk=6, chunk_delay_s=0.01))
+    async with running_gateway(small_config(), pipeline) as server:
+        result = await asyncio.wait_for(stream(held_stream(
+            server, seconds=1.5, hold_idle_s=1.0, updates=(PromptUpdate(3.0, "late"),))), 15)
+    record = pipeline.records[0]
+    assert record.holds == [1] and [p for _, p in record.updates] == ["late"]
+    assert list(result.applied_at.values()) == [4]  # the media clock stood at 1 s: it lands at the held boundary
+    assert result.stop_reason is None and result.done["stopped"] is True
+    assert result.media_seconds == pytest.approx(1.5)
+
+
+async def test_a_bounded_hold_is_left_to_the_server():
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=None, frames_per_chunk=6, chunk_delay_s=0.01))
+    async with running_gateway(small_config(), pipeline) as server:
+        result = await asyncio.wait_for(stream(held_stream(
+            server, seconds=2, hold_max_seconds=0.4, hold_idle_s=0.05)), 15)
+    assert pipeline.records[0].holds[0] == 1  # it held, and the hold ended by itself
+    assert result.sent_updates == {} and result.stop_reason is None
+    assert result.media_seconds == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="--hold-idle-seconds"):
+        ClientOptions(url="ws://h/v1/realtime/video", prompt="p", hold_idle_s=0)
