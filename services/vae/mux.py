@@ -44,7 +44,7 @@ DEFAULT_VIDEO_OPTIONS = {
     "tune": "zerolatency",
     "bf": "0",
     "forced-idr": "1",
-    "crf": "23",
+    "crf": "18",  # as TaoMate-H3 writes its video and vLLM-Omni streams it
 }
 # Options that would make libx264 hold frames back (or add B-frames) break one-fragment-per-chunk.
 _FORBIDDEN_VIDEO_OPTIONS = ("bf", "tune", "forced-idr", "rc-lookahead", "x264-params", "x264opts")

@@ -172,6 +172,12 @@ def test_halves_encoded_in_two_threads_give_the_same_bytes(session):
         muxer.encode_audio(np.zeros((2, 10), np.float32))
 
 
+def test_video_is_encoded_at_the_published_quality(session):
+    # TaoMate-H3 writes its video at CRF 18, and vLLM-Omni streams it so; libx264 records its settings in the stream
+    assert b"crf=18.0" in session["chunks"][0]
+    assert b" bframes=0 " in session["chunks"][0]  # no B-frames: one fragment per chunk, nothing held back
+
+
 def test_the_stream_declares_the_colour_matrix_its_pixels_were_converted_with(session):
     # RGB is converted to Y'CbCr with BT.601 limited range (swscale, and to_i420 on a GPU). An untagged stream leaves
     # the matrix to the player: Chrome then takes BT.709, even at 864x480, and shows (200, 40, 40) as (213, 55, 39).
