@@ -313,7 +313,7 @@ class FragmentedMP4Muxer:
         ctx = av.CodecContext.create(AUDIO_CODEC, "w")
         ctx.sample_rate, ctx.layout, ctx.format = self.sample_rate, "stereo", "fltp"
         ctx.time_base = Fraction(1, self.sample_rate)
-        ctx.bit_rate = 128_000
+        ctx.bit_rate = 192_000  # AAC-LC at 192 kb/s, as TaoMate-H3 writes its audio
         ctx.flags |= av.codec.context.Flags.global_header  # AudioSpecificConfig in extradata, for esds
         ctx.open()
         if ctx.frame_size != AAC_FRAME_SAMPLES:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import struct
 
 import av
 import numpy as np
@@ -176,6 +177,10 @@ def test_video_is_encoded_at_the_published_quality(session):
     # TaoMate-H3 writes its video at CRF 18, and vLLM-Omni streams it so; libx264 records its settings in the stream
     assert b"crf=18.0" in session["chunks"][0]
     assert b" bframes=0 " in session["chunks"][0]  # no B-frames: one fragment per chunk, nothing held back
+    audio = av.open(io.BytesIO(b"".join(session["chunks"]) + session["trailer"])).streams.audio[0]
+    assert audio.codec_context.profile == "LC"
+    # AAC-LC at 192 kb/s, as TaoMate-H3 writes its audio: the esds declares the rate the encoder was set to
+    assert bytes((0x40, 0x15)) + bytes(3) + struct.pack(">II", 192_000, 192_000) in session["muxer"].init_segment
 
 
 def test_the_stream_declares_the_colour_matrix_its_pixels_were_converted_with(session):
