@@ -1,5 +1,6 @@
-"""A DiT call cancelled while grpc.aio writes one of its responses, or while it cleans up after its request stream
-ended, still ends its session and gives back its slots at once.
+"""A cancelled DiT call gives back what its session holds: cancelled while the session is still opening (e.g.
+waiting for a cancelled predecessor to release its KV), while grpc.aio writes one of its responses, or while it
+cleans up after its request stream ended.
 
 grpc.aio iterates a response-streaming handler that is an async generator and writes each response itself; a
 cancel that lands in that write leaves the generator suspended at its `yield`, and its cleanup (`finally`) runs
@@ -21,6 +22,25 @@ from services.dit.grpc_server import DiTServicer
 from vitascope.dit.v1 import dit_pb2
 
 pytestmark = pytest.mark.cpu
+
+
+class SlowOpenService:
+    """`DiTService.open` that blocks until released, as it does while a cancelled predecessor drains."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.sessions = []
+
+    def hold_config(self, enabled, max_seconds):
+        return HoldConfig()
+
+    def open(self, config, prompt, fallback):
+        self.entered.set()
+        self.release.wait(10)
+        session = types.SimpleNamespace(cancelled=False)
+        session.cancel = lambda: setattr(session, "cancelled", True)
+        self.sessions.append(session)
+        return session
 
 
 class OpenService:
@@ -45,6 +65,28 @@ async def requests():
     for part in tensor_to_parts(torch.zeros(3, 8)):
         yield dit_pb2.StreamRequest(prompt=dit_pb2.PromptPart(event_id="e0", embedding=part))
     await asyncio.Event().wait()  # the client keeps its request stream open
+
+
+def test_cancel_during_open_releases_the_session_it_opened():
+    service = SlowOpenService()
+    servicer = DiTServicer(service, max_phases_ahead=2)
+    context = types.SimpleNamespace(invocation_metadata=lambda: ())
+
+    async def main():
+        first = asyncio.ensure_future(servicer.Stream(requests(), context))
+        await asyncio.to_thread(service.entered.wait, 10)
+        first.cancel()  # the client goes away while the open is still waiting
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        service.release.set()
+        for _ in range(200):
+            if service.sessions and service.sessions[0].cancelled:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert len(service.sessions) == 1
+    assert service.sessions[0].cancelled  # the orphaned session gave its slot back
 
 
 async def serve_like_grpc_aio(handler_result, context, kept: list) -> None:
