@@ -217,8 +217,15 @@ def test_chromium_shows_the_colours_that_were_encoded():
       ms.endOfStream();
       await new Promise(r => { if (v.readyState >= 2) r(); else v.onloadeddata = r; });
       const canvas = document.createElement('canvas'); canvas.width = v.videoWidth; canvas.height = v.videoHeight;
-      const g = canvas.getContext('2d'); g.drawImage(v, 0, 0);
-      return [0.25, 0.75].map(x => Array.from(g.getImageData(x * canvas.width, canvas.height / 2, 1, 1).data));
+      const g = canvas.getContext('2d');
+      const read = () => { g.drawImage(v, 0, 0);
+        return [0.25, 0.75].map(x => Array.from(g.getImageData(x * canvas.width, canvas.height / 2, 1, 1).data)); };
+      for (let i = 0; i < 100; i++) {  // loadeddata can come before the first frame can be drawn: wait for it
+        const shown = read();
+        if (shown.every(p => p[3] === 255 && p[0] + p[1] + p[2] > 0)) return shown;
+        await new Promise(r => setTimeout(r, 50));
+      }
+      return read();
     }"""
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
