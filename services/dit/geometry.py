@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
+from services.common.media import AUDIO_SAMPLE_RATE, FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, VIDEO_FPS
 from services.dit.api import InvalidCanvas
 
 AUDIO_LATENT_RATE = 40
@@ -25,8 +25,6 @@ PREFIX_FRAMES = 5
 PREFIX_LATENTS = 2
 PHASE_CLIPS = (2, 2, 2, 1)
 CLIPS_PER_REQUEST = sum(PHASE_CLIPS)
-FIRST_REQUEST_FRAMES = PREFIX_FRAMES + CLIPS_PER_REQUEST * FRAMES_PER_CLIP  # 124
-LATER_REQUEST_FRAMES = CLIPS_PER_REQUEST * FRAMES_PER_CLIP  # 119
 VAE_SPATIAL = 16
 """Pixels per video latent along h and w."""
 PATCH = 2

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from services.common.logging_setup import log_context
+from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PHASES_PER_REQUEST
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import (
@@ -88,18 +89,13 @@ class _Stalled(Exception):
 _BUSY_RETRY_S = 0.1
 """Seconds between starts refused with `backend_busy` (see `Session._start_pipeline`)."""
 
-# TaoMate-H3's request geometry (services/dit/geometry.py, which the gateway cannot import: it pulls in torch).
-_FIRST_REQUEST_FRAMES = 124
-_LATER_REQUEST_FRAMES = 119
-_PHASES_PER_REQUEST = 4
-
 
 def requests_for_frames(num_frames: int) -> int:
     """Whole 5 s requests needed to publish at least `num_frames` frames (as vLLM-Omni's TaoMate-H3 counts)."""
     if num_frames <= 0:
         raise ValueError(f"num_frames={num_frames} must be > 0")
-    later = max(0, num_frames - _FIRST_REQUEST_FRAMES)
-    return 1 + -(-later // _LATER_REQUEST_FRAMES)
+    later = max(0, num_frames - FIRST_REQUEST_FRAMES)
+    return 1 + -(-later // LATER_REQUEST_FRAMES)
 
 
 def _error_code(exc: PipelineError) -> ErrorCode:
@@ -465,7 +461,7 @@ class Session:
         """True when `chunk` completes the last request of the session's `num_frames` budget."""
         return (self._max_requests is not None and chunk.kind == "media" and not chunk.phase_continues
                 and chunk.request_index >= self._max_requests - 1
-                and chunk.phase_index == _PHASES_PER_REQUEST - 1)
+                and chunk.phase_index == PHASES_PER_REQUEST - 1)
 
     async def _send_chunk(self, chunk: MediaChunk) -> None:
         metadata = ChunkMetadata(

@@ -3,7 +3,8 @@
 Knows nothing about gRPC, muxing or the DiT. It builds the video VAE of a preset with seeded random weights directly
 on the device (zero-initialised gates, register tokens and biases get noise so every block matters), casts it the way
 `from_pretrained(torch_dtype=...)` does (diffusers' `_keep_in_fp32_modules` stay float32), and times two phases of one
-stream: the 12-latent first phase (34 frames out, 5 held) and a 10-latent later phase (2 carried + 10 latents -> 34 frames).
+stream: the 12-latent first phase (34 frames out, 5 held) and a 10-latent later phase (2 carried + 10 latents -> 34
+frames).
 
 - old: `AutoencoderKLMiniMaxH3.decode` (one ViT call per spatial tile per 17-frame clip) + the wrapper's
   post-processing, which is what `VideoDecoder.decode_pixels` did before batching;

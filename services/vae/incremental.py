@@ -15,7 +15,7 @@ cross-faded. Streaming reproduces it: every call after the first prepends the pr
 (2) latents, and the last clip's `frame_overlap` (5) overlap frames of each call are held back (model space, before
 the clamp) and cross-faded into the next call's first clip head, which those 2 latents decode. The first call must
 hold 2 + 5k latents (request 0 phase 0: 12 latents -> 34 frames out, 5 held), later calls 5k latents (10 -> 34,
-5 -> 17); `flush()` gives the held frames at the end of a stream (the whole decode's last 5 frames). Every frame
+5 -> 17); `flush_pixels()` gives the held frames at the end of a stream (the whole decode's last 5 frames). Every frame
 then equals the whole decode (bit for bit when the decoder runs one tile per ViT call; within float reassociation,
 about 1e-7, when the whole decode batches more clips per call than a phase does), 5 frames (208 ms) later.
 
@@ -54,6 +54,12 @@ def audio_receptive_radius(config) -> int:
     return int(radius) + 1
 
 
+def _for_mux(pixels: torch.Tensor) -> torch.Tensor:
+    """Float RGB `[n, H, W, 3]` in the muxer's fastest input from its device: I420 planes `[n, H * 3 / 2, W]`
+    converted on a GPU, uint8 RGB on a CPU (see `to_i420`)."""
+    return to_i420(pixels) if pixels.is_cuda else to_uint8(pixels)
+
+
 class IncrementalVideoDecoder:
     """Decode one phase of video latents at a time; see the module docstring for the context rule."""
 
@@ -86,9 +92,7 @@ class IncrementalVideoDecoder:
     def flush_for_mux(self) -> torch.Tensor | None:
         """`flush_pixels` in the muxer's input of `decode_parts_for_mux`."""
         pixels = self.flush_pixels()
-        if pixels is None:
-            return None
-        return to_i420(pixels) if pixels.is_cuda else to_uint8(pixels)
+        return None if pixels is None else _for_mux(pixels)
 
     def expected_frames(self, num_latents: int) -> int:
         """Return the frames the next `decode` of `num_latents` latents will return, or raise InvalidLatents."""
@@ -121,7 +125,7 @@ class IncrementalVideoDecoder:
         decoded, in the muxer's fastest input from this device: I420 planes `[n, H * 3 / 2, W]` converted on a GPU,
         RGB `[n, H, W, 3]` on a CPU (see `to_i420`). The parts' frames together are `decode`'s."""
         for pixels in self.pixel_parts(latents, split=True):
-            yield to_i420(pixels) if pixels.is_cuda else to_uint8(pixels)
+            yield _for_mux(pixels)
 
     @torch.inference_mode()
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:

@@ -115,3 +115,12 @@ def test_timeline_video_of_later_requests_continues_the_base_grid():
     phases = [ph for k in range(3) for ph in plan_request(k).phases]
     times = torch.cat([tl.video(ph).view(ph.num_latents, canvas.rows_per_frame, 3)[:, 0, 0] for ph in phases])
     assert torch.equal(times, _temporal_position_grid(37 + 2 * 35, float(L)).float())
+
+
+def test_the_shared_request_lengths_are_the_clip_and_phase_layout():
+    # services.common.media states them for the gateway (no torch there); the plans here build them from clips
+    from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PHASES_PER_REQUEST
+
+    for k, frames in ((0, FIRST_REQUEST_FRAMES), (1, LATER_REQUEST_FRAMES), (2, LATER_REQUEST_FRAMES)):
+        plan = plan_request(k)
+        assert (plan.num_frames, len(plan.phases)) == (frames, PHASES_PER_REQUEST)

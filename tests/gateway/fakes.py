@@ -72,9 +72,9 @@ class FakeRecord:
 
 
 class FakePipelineSession(PipelineSession):
-    def __init__(self, behaviour: FakeBehaviour, record: FakeRecord, busy_until: list[float]) -> None:
+    def __init__(self, behaviour: FakeBehaviour, record: FakeRecord, pipeline: "FakePipeline") -> None:
         self._b = behaviour
-        self._busy_until = busy_until
+        self._pipeline = pipeline
         self.record = record
         req = record.request
         self._muxer = FragmentedMP4Muxer(req.width, req.height, fps=req.fps, sample_rate=SAMPLE_RATE)
@@ -95,7 +95,7 @@ class FakePipelineSession(PipelineSession):
         if self._b.cancel_delay_s:
             await asyncio.sleep(self._b.cancel_delay_s)
         if not self.record.cancelled and self._b.release_delay_s:
-            self._busy_until[0] = asyncio.get_running_loop().time() + self._b.release_delay_s
+            self._pipeline.busy_until = asyncio.get_running_loop().time() + self._b.release_delay_s
         self.record.cancelled = True
         self._cancelled.set()
 
@@ -177,17 +177,18 @@ class FakePipeline(Pipeline):
         self.records: list[FakeRecord] = []
         self.busy_starts = 0
         """Starts refused with backend_busy (the previous session not yet released)."""
-        self._busy_until = [0.0]  # loop time until which the backend is still releasing a cancelled session
+        self.busy_until = 0.0
+        """Loop time until which the backend is still releasing a cancelled session."""
 
     async def start(self, request: SessionRequest) -> PipelineSession:
         if self.behaviour.start_error is not None:
             raise self.behaviour.start_error
-        if asyncio.get_running_loop().time() < self._busy_until[0]:
+        if asyncio.get_running_loop().time() < self.busy_until:
             self.busy_starts += 1
             raise PipelineError("dit: this DiT group already streams a session", code="backend_busy")
         record = FakeRecord(request)
         self.records.append(record)
-        return FakePipelineSession(self.behaviour, record, self._busy_until)
+        return FakePipelineSession(self.behaviour, record, self)
 
     async def health(self) -> bool:
         return self.behaviour.healthy
