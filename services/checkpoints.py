@@ -15,9 +15,9 @@ import logging
 import pathlib
 import shutil
 
-from services.dit.checkpoint import write_random_checkpoint as write_dit
-from services.dit.lora import write_random_adapter
-from services.dit.model import PRESETS
+from services.dit.model.checkpoint import write_random_checkpoint as write_dit
+from services.dit.model.lora import write_random_adapter
+from services.dit.model.network import PRESETS
 from services.encoder.checkpoint import write_random_checkpoint as write_encoder
 from services.vae.checkpoint import write_random_checkpoint as write_vaes
 

@@ -131,7 +131,7 @@ class DiTConfig:
     """Capture CUDA graphs at start-up (CUDA devices only): the audio teacher's steps, its prompts then padded to
     `prompt_buckets` with the padding masked out; and, with `reuse_text_kv`, the block stack of the students and
     commits that run without text rows, per phase shape of the gateway's canvases, piecewise between the attention
-    calls (services/dit/block_graphs.py). No capture happens while serving."""
+    calls (services/dit/model/block_graphs.py). No capture happens while serving."""
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS
     """Prompt lengths (tokens) the graphs are captured for, increasing; the largest must hold encoder.max_tokens.
     Each bucket costs 27 teacher graphs (9 steps x 3 audio shapes) and about 6 s of start-up."""

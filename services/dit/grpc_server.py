@@ -33,15 +33,15 @@ import grpc
 
 from services.common import tracing
 from services.common.config import DiTConfig
-from services.common.cuda_ipc import IpcConsumer, IpcError
+from services.tensors.cuda_ipc import IpcConsumer, IpcError
 from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
 from services.common.media import AUDIO_SAMPLE_RATE
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
-from services.common.stage_transport import (IpcExporter, ProcessConsumer, SessionLeases, TensorReceiver,
+from services.tensors.stage_transport import (IpcExporter, ProcessConsumer, SessionLeases, TensorReceiver,
                                              register_transport, sender)
 from services.dit.api import PhaseOutput, PromptUpdate, SessionConfig
-from services.dit.runtime import StreamingSession
+from services.dit.stream.runtime import StreamingSession
 from services.dit.service import DiTService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc

@@ -12,21 +12,21 @@ import time
 import torch
 
 from services.common.config import Profile
-from services.common.cuda_graphs import PromptBuckets
+from services.tensors.cuda_graphs import PromptBuckets
 from services.common.errors import NotReady
 from services.common.grpc_server import Stage
 from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.attention_kernels import prefer_attention_kernels
-from services.dit.block_graphs import BlockGraphs
-from services.dit.checkpoint import load_dit
-from services.dit.fp8 import quantize_linears
-from services.dit.geometry import Canvas
-from services.dit.group import DiTGroup, GroupFailed
-from services.dit.layout import pack_layout
-from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, DiT, FullAttention, build_random
-from services.dit.runtime import DiTRuntime, block_graph_shapes
-from services.dit.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, TEACHER_TEXT_SIGMAS, VIDEO_SIGMAS, model_t
+from services.dit.model.attention_kernels import prefer_attention_kernels
+from services.dit.model.block_graphs import BlockGraphs
+from services.dit.model.checkpoint import load_dit
+from services.dit.model.fp8 import quantize_linears
+from services.dit.stream.geometry import Canvas
+from services.dit.group.orchestration import DiTGroup, GroupFailed
+from services.dit.model.layout import pack_layout
+from services.dit.model.lora import LoRAAdapter, random_adapter_spec
+from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
+from services.dit.stream.runtime import DiTRuntime, block_graph_shapes
+from services.dit.stream.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, TEACHER_TEXT_SIGMAS, VIDEO_SIGMAS, model_t
 from services.gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)

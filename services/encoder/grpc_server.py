@@ -23,12 +23,12 @@ import grpc
 
 from services.common import tracing
 from services.common.config import EncoderConfig
-from services.common.cuda_ipc import IpcError, IpcProducer
+from services.tensors.cuda_ipc import IpcError, IpcProducer
 from services.common.errors import abort_with
 from services.common.host_identity import pids_comparable, process_alive
 from services.common.logging_setup import log_context
 from services.common.metrics import IPC_LEASED_SLOTS, STAGE_LATENCY, record_gpu_memory
-from services.common.stage_transport import IpcExporter, register_transport, sender
+from services.tensors.stage_transport import IpcExporter, register_transport, sender
 from services.encoder.service import EncoderService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc

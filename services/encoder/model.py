@@ -26,7 +26,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLTextRotaryEmbedding,
 )
 
-from services.common.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
+from services.tensors.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import Profile
-from services.common.cuda_graphs import PromptBuckets
+from services.tensors.cuda_graphs import PromptBuckets
 from services.common.errors import InvalidInput, NotReady
 from services.common.grpc_server import Stage
 from services.encoder.model import EncoderInputError, TextEncoder

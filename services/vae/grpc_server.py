@@ -25,13 +25,13 @@ from collections.abc import Callable
 import grpc
 
 from services.common import tracing
-from services.common.cuda_ipc import IpcConsumer
+from services.tensors.cuda_ipc import IpcConsumer
 from services.common.errors import SequenceMismatch, abort_with
 from services.common.logging_setup import log_context
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
-from services.common.stage_transport import ProcessConsumer, TensorReceiver, register_transport
-from services.common.transport import MAX_PART_BYTES
+from services.tensors.stage_transport import ProcessConsumer, TensorReceiver, register_transport
+from services.tensors.transport import MAX_PART_BYTES
 from services.vae.service import Chunk, VAEService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc

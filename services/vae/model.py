@@ -13,7 +13,7 @@ every 5) and the same spatial tile grid (`vae._split_tiles` with the model's til
 minimum in the release), cuts every tile of every clip from the latents, runs them through `post_quant_conv` and the
 ViT as one batch (each batch row is one tile of one clip, so every tile sees exactly the pixels it sees in diffusers),
 then blends tiles and clips with the library's own `_stitch_tiles` / `_blend`, vectorised over clips. The result
-equals the diffusers decode up to GEMM reassociation across batch sizes (see services/vae/bench_decode.py). With
+equals the diffusers decode up to GEMM reassociation across batch sizes (see tools/vae/bench_decode.py). With
 tile replicas (copies of the network on other GPUs) each device decodes an equal share of those rows concurrently,
 so the decode's GPU time is spread over the GPUs the DiT ranks share with it.
 """
@@ -28,7 +28,7 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.models.modeling_utils import get_parameter_dtype
 
-from services.common.cuda_graphs import CudaGraphBank, GraphKey
+from services.tensors.cuda_graphs import CudaGraphBank, GraphKey
 
 VIDEO_LATENT_CHANNELS = 24
 AUDIO_LATENT_CHANNELS = 32

@@ -21,7 +21,7 @@ def run(code: str) -> str:
 def test_cudnn_goes_first_for_the_whole_process_and_default_changes_nothing():
     out = run(ORDER + """
 import json, threading
-from services.dit.attention_kernels import prefer_attention_kernels
+from services.dit.model.attention_kernels import prefer_attention_kernels
 before = order()
 prefer_attention_kernels("default")
 assert order() == before, order()
@@ -38,7 +38,7 @@ print(json.dumps([before, order(), seen[0]]))
 
 @pytest.mark.cpu
 def test_unknown_order_is_named():
-    from services.dit.attention_kernels import prefer_attention_kernels
+    from services.dit.model.attention_kernels import prefer_attention_kernels
 
     with pytest.raises(ValueError, match="unknown attention kernels 'flash3'"):
         prefer_attention_kernels("flash3")
@@ -52,9 +52,9 @@ def test_cudnn_order_runs_cudnn_and_equals_flash_within_bf16():
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
-from services.dit.layout import pack_layout
-from services.dit.attention_kernels import prefer_attention_kernels
-from services.dit.model import PRESETS, FullAttention, build_random
+from services.dit.model.layout import pack_layout
+from services.dit.model.attention_kernels import prefer_attention_kernels
+from services.dit.model.network import PRESETS, FullAttention, build_random
 
 args = PRESETS["tiny"]
 model = build_random(args, "cuda", torch.bfloat16, seed=0)
@@ -96,7 +96,7 @@ def test_cudnn_attention_reads_q_k_v_in_place_in_the_ulysses_receive_buffer():
     torch.cuda.is_available() or pytest.skip("needs a CUDA GPU")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from services.dit.attention_kernels import sdpa_rows
+    from services.dit.model.attention_kernels import sdpa_rows
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     recv = torch.randn(2048, 3, 28, 96, device="cuda", dtype=torch.bfloat16, generator=gen)  # full preset's USP2 heads
@@ -132,7 +132,7 @@ def test_fa4_without_its_package_is_refused_naming_the_package_and_the_way_out()
     if _fa4_importable():
         pytest.skip("FlashAttention 4 is installed here")
     out = run(ORDER + """
-from services.dit.attention_kernels import prefer_attention_kernels
+from services.dit.model.attention_kernels import prefer_attention_kernels
 before = order()
 try:
     prefer_attention_kernels("fa4")
@@ -148,7 +148,7 @@ except RuntimeError as e:
 
 FA4_CASES = """
 import torch
-from services.dit.attention_kernels import prefer_attention_kernels, sdpa_rows, _FLASH_ATTENTION_4
+from services.dit.model.attention_kernels import prefer_attention_kernels, sdpa_rows, _FLASH_ATTENTION_4
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -221,9 +221,9 @@ print(bool(torch.equal(captured, fresh)), moved, len(calls) >= 3)
 SESSION = """
 import sys, torch
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.lora import LoRAAdapter
-from services.dit import attention_kernels, model as dit_model
-from services.dit.runtime import DiTRuntime
+from services.dit.model.lora import LoRAAdapter
+from services.dit.model import attention_kernels, network as dit_model
+from services.dit.stream.runtime import DiTRuntime
 
 kernels, adapter_dir, out = sys.argv[1:4]
 attention_kernels.prefer_attention_kernels(kernels)
@@ -248,8 +248,8 @@ def test_a_streaming_session_with_fa4_is_within_bf16_of_cudnn(tmp_path):
     """The whole runtime (teacher, students, commits over the growing KV cache) with `fa4` against `cudnn`: the
     same latents within BF16 rounding, and FlashAttention 4 ran in it."""
     torch = _needs_cuda_and_fa4()
-    from services.dit.lora import write_random_adapter
-    from services.dit.model import PRESETS
+    from services.dit.model.lora import write_random_adapter
+    from services.dit.model.network import PRESETS
 
     adapter_dir = write_random_adapter(PRESETS["tiny"], tmp_path / "adapter", seed=1)
     results = {}

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.block_graphs import BlockGraphs
-from services.dit.geometry import Canvas
-from services.dit.layout import pack_layout
-from services.dit.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model import PRESETS, FullAttention, build_random
-from services.dit.runtime import DiTRuntime, block_graph_shapes, text_free_block_shapes
+from services.dit.model.block_graphs import BlockGraphs
+from services.dit.stream.geometry import Canvas
+from services.dit.model.layout import pack_layout
+from services.dit.model.lora import LoRAAdapter, random_adapter_spec
+from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.stream.runtime import DiTRuntime, block_graph_shapes, text_free_block_shapes
 
 ARGS = PRESETS["tiny"]
 PIECES = ARGS.num_layers + 1

@@ -13,13 +13,13 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental import _config as fx_config
 
 from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
-from services.dit import fused
+from services.dit.model import fused
 from services.dit.api import PromptUpdate, SessionConfig
-from services.dit import model as dit_model
-from services.dit.fp8 import FP8Linear, fp8_error_report, quantize_linears, relative_error
-from services.dit.layout import pack_layout
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, FullAttention, build_random
+from services.dit.model import network as dit_model
+from services.dit.model.fp8 import FP8Linear, fp8_error_report, quantize_linears, relative_error
+from services.dit.model.layout import pack_layout
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, FullAttention, build_random
 from services.dit.service import build_runtime, compile_block_regions
 
 ARGS = dataclasses.replace(PRESETS["tiny"], num_layers=6)

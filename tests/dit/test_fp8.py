@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from services.dit.fp8 import (FP8_DTYPE, FP8Linear, Fp8Error, default_ignore, fp8_error_report, quantize_linears,
+from services.dit.model.fp8 import (FP8_DTYPE, FP8Linear, Fp8Error, default_ignore, fp8_error_report, quantize_linears,
                               quantize_rows, relative_error)
-from services.dit.layout import pack_layout
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, FullAttention, build_random
+from services.dit.model.layout import pack_layout
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, FullAttention, build_random
 
 ARGS = PRESETS["tiny"]
 
@@ -167,7 +167,7 @@ def test_fp8_before_lora_is_refused_by_peft(tmp_path):
 
 @pytest.mark.gpu
 def test_scaled_mm_matches_reference_path():
-    from services.dit.fp8 import scaled_mm_supported
+    from services.dit.model.fp8 import scaled_mm_supported
 
     dev = torch.device("cuda")
     if not scaled_mm_supported(dev):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from services.dit.api import CANVAS_SHORT_EDGES, InvalidCanvas, RuntimeConfig
-from services.dit.geometry import audio_boundary, check_canvas, plan_request, plans_of_every_shape
-from services.dit.timeline import Timeline
+from services.dit.stream.geometry import audio_boundary, check_canvas, plan_request, plans_of_every_shape
+from services.dit.stream.timeline import Timeline
 
 pytestmark = pytest.mark.cpu
 

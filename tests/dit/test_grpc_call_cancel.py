@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from services.common.transport import tensor_to_parts
+from services.tensors.transport import tensor_to_parts
 from services.dit.api import HoldConfig
 from services.dit.grpc_server import DiTServicer
 from vitascope.dit.v1 import dit_pb2

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from services.dit.api import KVCacheError
-from services.dit.geometry import check_canvas, plan_request
-from services.dit.kv_cache import CleanAVKVCache, kv_capacity
+from services.dit.stream.geometry import check_canvas, plan_request
+from services.dit.stream.kv_cache import CleanAVKVCache, kv_capacity
 
 pytestmark = pytest.mark.cpu
 

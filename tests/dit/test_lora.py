@@ -7,14 +7,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.dit.api import LoRAError
-from services.dit.fp8 import quantize_linears, relative_error
-from services.dit.geometry import check_canvas, plan_request
-from services.dit.layout import pack_layout
-from services.dit.lora import LoRAAdapter, load_adapter, lora_targets, write_random_adapter
-from services.dit.model import PRESETS, FullAttention, build_random
-from services.dit.session import CancelToken
-from services.dit.teacher import AudioTeacher
-from services.dit.timeline import Timeline
+from services.dit.model.fp8 import quantize_linears, relative_error
+from services.dit.stream.geometry import check_canvas, plan_request
+from services.dit.model.layout import pack_layout
+from services.dit.model.lora import LoRAAdapter, load_adapter, lora_targets, write_random_adapter
+from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.stream.session import CancelToken
+from services.dit.stream.teacher import AudioTeacher
+from services.dit.stream.timeline import Timeline
 
 pytestmark = pytest.mark.cpu
 

@@ -1,4 +1,4 @@
-"""The Triton kernels that finish the QKV projection and fc1 (`services/dit/lora_kernels.py`) compute what the
+"""The Triton kernels that finish the QKV projection and fc1 (`services/dit/model/lora_kernels.py`) compute what the
 plain-torch reference does: the LoRA up-projection, QK-norm, RoPE, the head-group layout of the send buffer, SwiGLU.
 
 On the CPU they run in Triton's interpreter, in a child process (the interpreter is chosen when Triton is first
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.dit import model as dit_model
-from services.dit.fp8 import relative_error
-from services.dit.fused import qk_norm_rope, swiglu
-from services.dit.layout import pack_layout
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, FullAttention, build_random
-from services.dit.shard import pack_head_groups
+from services.dit.model import network as dit_model
+from services.dit.model.fp8 import relative_error
+from services.dit.model.fused import qk_norm_rope, swiglu
+from services.dit.model.layout import pack_layout
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.shard import pack_head_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [  # rows, heads, head size, RoPE channels, rank, head groups
@@ -53,7 +53,7 @@ def _reference_qkv(t, scale, out):
 
 def kernel_errors(device: str, dtype: torch.dtype) -> dict[str, float]:
     """Relative error of each kernel against the float32 reference, per case and branch scale."""
-    from services.dit import lora_kernels
+    from services.dit.model import lora_kernels
     errors = {}
     for n, case in enumerate(CASES):
         t = _case_tensors(case, device, dtype, seed=n)
@@ -90,7 +90,7 @@ def test_kernels_equal_the_reference_in_the_interpreter():
 
 @pytest.mark.cpu
 def test_bad_layouts_are_refused_with_the_tensor_named():
-    lora_kernels = pytest.importorskip("services.dit.lora_kernels")
+    lora_kernels = pytest.importorskip("services.dit.model.lora_kernels")
     t = _case_tensors(CASES[0], "cpu", torch.float32, seed=0)
     rows, heads, dim, _, _, groups = CASES[0]
     out = torch.empty(groups, rows, 3, heads // groups, dim)

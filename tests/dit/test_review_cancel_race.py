@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.control import CancelSession
-from services.dit.group import GroupSession
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime
+from services.dit.group.control import CancelSession
+from services.dit.group.orchestration import GroupSession
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream.runtime import DiTRuntime
 
 pytestmark = pytest.mark.cpu
 

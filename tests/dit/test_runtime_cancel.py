@@ -5,10 +5,10 @@ import torch
 
 from services.common.errors import NoCapacity
 from services.dit.api import InvalidCanvas, PromptUpdate, RuntimeConfig, SessionCancelled, SessionClosed, SessionConfig
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, build_random
-from services.dit import runtime as runtime_module
-from services.dit.runtime import DiTRuntime
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream import runtime as runtime_module
+from services.dit.stream.runtime import DiTRuntime
 
 pytestmark = pytest.mark.cpu
 

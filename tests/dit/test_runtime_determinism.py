@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.geometry import check_canvas, plan_request
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime, patchify, request_noise
+from services.dit.stream.geometry import check_canvas, plan_request
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream.runtime import DiTRuntime, patchify, request_noise
 
 pytestmark = pytest.mark.cpu
 

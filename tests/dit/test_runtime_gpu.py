@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream.runtime import DiTRuntime
 
 pytestmark = pytest.mark.gpu
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionCancelled, SessionConfig
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime
-from services.dit.session import CancelToken, PromptBook
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream.runtime import DiTRuntime
+from services.dit.stream.session import CancelToken, PromptBook
 
 pytestmark = pytest.mark.cpu
 

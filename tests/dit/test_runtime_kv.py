@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.geometry import check_canvas, plan_request
-from services.dit.kv_cache import kv_capacity
-from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime
+from services.dit.stream.geometry import check_canvas, plan_request
+from services.dit.stream.kv_cache import kv_capacity
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream.runtime import DiTRuntime
 
 pytestmark = pytest.mark.cpu
 

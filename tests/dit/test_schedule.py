@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.dit import schedule as sch
+from services.dit.stream import schedule as sch
 
 pytestmark = pytest.mark.cpu
 

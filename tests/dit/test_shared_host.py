@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.dit import shared_host
-from services.dit.launch import free_port
+from services.dit.stream import shared_host
+from services.dit.group.launch import free_port
 from tests.dit.test_usp import run_ranks
 
 pytestmark = pytest.mark.cpu

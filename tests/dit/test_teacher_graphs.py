@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile, load_profile
-from services.dit.geometry import TEACHER_TAIL_LATENTS, check_canvas, plan_request
-from services.common.cuda_graphs import GraphError, PromptBuckets
-from services.dit.layout import pack_layout
-from services.dit.model import PRESETS, FullAttention, build_random
-from services.dit.session import CancelToken
-from services.dit.teacher import STEPS, AudioTeacher, request_audio_shapes
-from services.dit.teacher import step_layout as teacher_step_layout
-from services.dit.timeline import Timeline
+from services.dit.stream.geometry import TEACHER_TAIL_LATENTS, check_canvas, plan_request
+from services.tensors.cuda_graphs import GraphError, PromptBuckets
+from services.dit.model.layout import pack_layout
+from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.stream.session import CancelToken
+from services.dit.stream.teacher import STEPS, AudioTeacher, request_audio_shapes
+from services.dit.stream.teacher import step_layout as teacher_step_layout
+from services.dit.stream.timeline import Timeline
 
 ARGS = PRESETS["tiny"]
 BUCKETS = PromptBuckets((8, 16))
@@ -157,7 +157,7 @@ def test_graph_settings_are_validated():
 def test_teacher_text_rows_take_the_video_clock(step):
     """As the official teacher's denoise loop: text (and pad) rows run at the video timestep of a 10-state shift-12
     grid, the new audio rows at the shift-3 grid's, the clean tail rows at t = 1."""
-    from services.dit.schedule import TEACHER_SIGMAS, TEACHER_TEXT_SIGMAS, model_t
+    from services.dit.stream.schedule import TEACHER_SIGMAS, TEACHER_TEXT_SIGMAS, model_t
 
     n_tail, num, text_len = TEACHER_TAIL_LATENTS, 198, 8
     layout = teacher_step_layout(step, text_len, n_tail, num, torch.zeros(text_len, 3),

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from services.common.config import DiTConfig
-from services.common.cuda_graphs import PromptBuckets
+from services.tensors.cuda_graphs import PromptBuckets
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime
-from services.dit.teacher import STEPS, TeacherRun
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream.runtime import DiTRuntime
+from services.dit.stream.teacher import STEPS, TeacherRun
 
 ARGS = PRESETS["tiny"]
 PHASES = 6  # request 0 (4 phases) and two phases of request 1: two teacher runs, the second with a tail

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.common.cuda_graphs import CudaGraphBank
-from services.dit import sp
-from services.dit.launch import free_port
-from services.dit.model import build_random
-from services.dit.teacher import STEPS, AudioTeacher
+from services.tensors.cuda_graphs import CudaGraphBank
+from services.dit.group import ulysses as sp
+from services.dit.group.launch import free_port
+from services.dit.model.network import build_random
+from services.dit.stream.teacher import STEPS, AudioTeacher
 from tests.dit.test_teacher_graphs import ARGS, BUCKETS, run
 from tests.dit.test_usp import nccl_ulysses_model, phases_in_thread, run_ranks
 
@@ -92,8 +92,8 @@ def test_sharded_teacher_graphs_replay_like_eager_on_two_gpus(tmp_path):
 
 def _graphed_group(timeout_s: float, sharded: bool, overlap: bool = False, staged: bool = False):
     from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
-    from services.dit.group import DiTGroup
-    from services.dit.launch import GroupOptions
+    from services.dit.group.orchestration import DiTGroup
+    from services.dit.group.launch import GroupOptions
     from tests.dit.test_usp import TEXT_TOKENS, build_tiny
 
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
@@ -141,7 +141,7 @@ def test_graphed_group_fails_cleanly_when_a_rank_dies_mid_phase(staged):
     # The teacher replayed beside the students, whole on each rank or staged over them (its hand-overs eager, on a
     # group of its own): with `teacher_sharded` the graphs hold NCCL work that an abort cannot stop (seen on
     # 2xH200: "Future for ProcessGroup abort timed out", rank 0's stream stays blocked).
-    from services.dit.group import GroupFailed
+    from services.dit.group.orchestration import GroupFailed
 
     group = _graphed_group(timeout_s=15, sharded=False, overlap=True, staged=staged)
     try:

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 from services.common.config import DiTConfig
-from services.dit.geometry import check_canvas
-from services.dit.launch import free_port
-from services.dit.model import build_random
-from services.dit.session import CancelToken
-from services.dit.shared_host import SHARED_DIR
-from services.dit.teacher import STEPS, AudioTeacher, TeacherStages
-from services.dit.timeline import Timeline
+from services.dit.stream.geometry import check_canvas
+from services.dit.group.launch import free_port
+from services.dit.model.network import build_random
+from services.dit.stream.session import CancelToken
+from services.dit.stream.shared_host import SHARED_DIR
+from services.dit.stream.teacher import STEPS, AudioTeacher, TeacherStages
+from services.dit.stream.timeline import Timeline
 from tests.dit.test_teacher_graphs import ARGS, BUCKETS, request_inputs, run
 from tests.dit.test_usp import run_ranks
 
@@ -160,8 +160,8 @@ def _build_with_a_failing_stage(profile, device):
 @pytest.mark.cpu
 def test_a_failing_stage_fails_the_group_promptly():
     from services.dit.api import PromptUpdate, SessionConfig
-    from services.dit.group import DiTGroup, GroupFailed
-    from services.dit.launch import GroupOptions
+    from services.dit.group.orchestration import DiTGroup, GroupFailed
+    from services.dit.group.launch import GroupOptions
     from tests.dit.test_usp import CANVAS, tiny_profile
 
     failures: list[str] = []

@@ -7,15 +7,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-import services.dit.runtime as runtime_module
+import services.dit.stream.runtime as runtime_module
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.attention import StreamingAttention
-from services.dit.kv_cache import CleanAVKVCache
-from services.dit.layout import pack_layout
-from services.dit.lora import LoRAAdapter, write_random_adapter
-from services.dit.model import PRESETS, build_random
-from services.dit.runtime import DiTRuntime
-from services.dit.schedule import model_t
+from services.dit.stream.attention import StreamingAttention
+from services.dit.stream.kv_cache import CleanAVKVCache
+from services.dit.model.layout import pack_layout
+from services.dit.model.lora import LoRAAdapter, write_random_adapter
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream.runtime import DiTRuntime
+from services.dit.stream.schedule import model_t
 
 pytestmark = pytest.mark.cpu
 

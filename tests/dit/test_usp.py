@@ -16,15 +16,15 @@ import torch.multiprocessing as mp
 
 from services.common.config import DiTConfig, ModelConfig, Profile
 from services.dit.api import HoldConfig, PhaseOutput, PromptUpdate, RuntimeConfig, SessionCancelled, SessionConfig
-from services.dit.block_graphs import BlockGraphs
-from services.dit.geometry import Canvas
-from services.dit.group import DiTGroup, GroupFailed
-from services.dit.launch import GroupOptions, free_port, rank_device_env
-from services.dit.layout import pack_layout
-from services.dit.model import PRESETS, DiT, FullAttention, build_random
-from services.dit.shard import pack_head_groups
-from services.dit.runtime import DiTRuntime, block_graph_shapes
-from services.dit.sp import UlyssesAttend, heads_to_rows, install_ulysses, out_to_rows
+from services.dit.model.block_graphs import BlockGraphs
+from services.dit.stream.geometry import Canvas
+from services.dit.group.orchestration import DiTGroup, GroupFailed
+from services.dit.group.launch import GroupOptions, free_port, rank_device_env
+from services.dit.model.layout import pack_layout
+from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
+from services.dit.model.shard import pack_head_groups
+from services.dit.stream.runtime import DiTRuntime, block_graph_shapes
+from services.dit.group.ulysses import UlyssesAttend, heads_to_rows, install_ulysses, out_to_rows
 
 ARGS = PRESETS["tiny"]  # 4 heads: N = 2 and N = 4 both divide
 TEXT_TOKENS = 16
@@ -273,24 +273,24 @@ def test_group_hold_ends_when_no_prompt_can_come_and_a_late_prompt_beats_the_fal
 
 
 @pytest.mark.cpu
-def test_group_probe_forward_runs_on_every_rank_between_sessions():
+def test_group_runs_a_tool_on_every_rank_between_sessions():
     from services.common.errors import NoCapacity
-    from services.dit.probe import phase_inputs, time_forward
+    from tools.dit.probe import group_forward_seconds, phase_inputs, time_forward
 
     group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
     try:
-        seconds = group.probe_forward(64, 96, latents=2, runs=2)
+        seconds = group_forward_seconds(group, 64, 96, latents=2, runs=2)
         assert 0 < seconds < 30
         with pytest.raises(ValueError, match="canvas 90x64"):  # refused on rank 0 before any rank moves
-            group.probe_forward(64, 90)
+            group_forward_seconds(group, 64, 90)
         with pytest.raises(ValueError, match="runs=0"):
-            group.probe_forward(64, 96, runs=0)
+            group_forward_seconds(group, 64, 96, runs=0)
         session = group.open_session(session_config(), PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
         with pytest.raises(NoCapacity, match="a session is open"):
-            group.probe_forward(64, 96, latents=2, runs=1)
+            group_forward_seconds(group, 64, 96, latents=2, runs=1)
         session.next_phase()  # the ranks are still in step
         session.close()
-        assert group.probe_forward(64, 96, latents=1, runs=1) > 0
+        assert group_forward_seconds(group, 64, 96, latents=1, runs=1) > 0
     finally:
         group.shutdown()
     model = build_random(ARGS, "cpu", torch.float32, seed=0)

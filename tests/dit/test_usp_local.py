@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.dit import sp
-from services.dit.layout import pack_layout
-from services.dit.model import PRESETS, FullAttention, build_random
-from services.dit.shard import NoShard
+from services.dit.group import ulysses as sp
+from services.dit.model.layout import pack_layout
+from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.shard import NoShard
 
 pytestmark = pytest.mark.cpu
 ARGS = PRESETS["tiny"]

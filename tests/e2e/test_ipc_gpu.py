@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from services.dit.launch import free_port
+from services.dit.group.launch import free_port
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.pipeline import MediaChunk, SessionRequest
 from services.up import bring_up, stop_all

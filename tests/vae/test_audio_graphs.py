@@ -30,7 +30,7 @@ def test_graphs_need_cuda():
 
 @pytest.mark.cpu
 def test_audio_phase_sizes_are_the_dit_plan_s():
-    from services.dit.geometry import plan_request
+    from services.dit.stream.geometry import plan_request
 
     first = plan_request(0).phases[0].num_audio_latents
     later = {ph.num_audio_latents for k in range(60) for ph in plan_request(k).phases} - {first}

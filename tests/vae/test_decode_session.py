@@ -11,7 +11,7 @@ import torch
 
 from services.common.errors import InvalidInput
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
-from services.common.transport import tensor_to_parts
+from services.tensors.transport import tensor_to_parts
 from services.vae.checkpoint import load_audio_vae, load_video_vae, write_random_checkpoint
 from services.vae.grpc_server import VAEServicer
 from services.vae.incremental import IncrementalAudioDecoder, IncrementalVideoDecoder

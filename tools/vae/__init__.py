@@ -1,0 +1,1 @@
+"""VAE decode and muxer benchmarks."""
