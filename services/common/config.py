@@ -147,7 +147,7 @@ class DiTConfig:
     of the teacher's own, between the graph replays, so a dead rank still fails the group cleanly. Each GPU then
     does 1/N of the teacher's work instead of all of it; its steps take as long as before plus the hand-overs (a
     few ms each). On 2xH200: 0.06-0.2 s less DiT time per request, 0.02-0.1 s less to the first chunk (see
-    docs/benchmarks.md §4.7). Off: every rank runs the whole teacher."""
+    docs/decisions.md, 'Teacher staged over the ranks'). Off: every rank runs the whole teacher."""
     teacher_overlap: bool = False
     """Replay the audio teacher's graphs on their own CUDA stream, from a worker thread, beside the previous phase's
     commit and the first student step of each request (which needs no teacher state); the next steps wait for the

@@ -38,7 +38,7 @@ PAD_BYTES = 12 * 1024 * 1024  # echoed back in video.start: more than loopback's
 
 
 def _frame(text: str) -> bytes:
-    """One masked client text frame (RFC 6455 §5.2), mask key zero so the payload goes as is."""
+    """One masked client text frame (RFC 6455, section 5.2), mask key zero so the payload goes as is."""
     payload = text.encode()
     header = struct.pack("!BBQ", 0x81, 0x80 | 127, len(payload))
     return header + b"\0\0\0\0" + payload

@@ -24,7 +24,7 @@ from tools.dit.probe import time_call
 RANK = 128
 """TaoMate's LoRA rank."""
 TEACHER_ROWS = 704
-"""The audio teacher's document: 400 text rows, 2 x 137 audio rows and bucket padding (docs/benchmarks.md §2)."""
+"""The audio teacher's document: 400 text rows, 2 x 137 audio rows and bucket padding."""
 
 
 @dataclass(frozen=True)

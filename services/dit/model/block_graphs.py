@@ -5,9 +5,10 @@ compiled regions and the kernels that finish the LoRA linears. The attention sta
 the all-to-alls (NCCL work inside a graph cannot be aborted when a rank dies), and the streaming pattern's shapes
 grow with the KV history. So one graph covers each stretch between two attention calls (block i-1's work after its
 attention and block i's before its own), and a forward is 51 replays with the 50 attention calls between them,
-instead of thousands of kernel launches. On an idle GPU a forward below ~2,500 rows is bound by that dispatch (~124
-ms of host whatever its size, docs/benchmarks.md §2); under USP2 beside the VAE the GPUs are the limit in every
-phase (§4.6), and the graphs take the dispatch off the ranks' host threads.
+instead of thousands of kernel launches. On an idle GPU a forward below ~2,500 rows was bound by that dispatch (~124
+ms of host whatever its size, when first profiled); under USP2 beside the VAE the GPUs are the limit in every
+phase (docs/decisions.md, 'Student and commit blocks as piecewise CUDA graphs'), and the graphs take the dispatch
+off the ranks' host threads.
 
 `capture(rows, slots)` records the graphs of one shape at start-up: `rows` packed rows on this rank (after the
 sequence split) and `slots` timesteps in the AdaLN tables, for a sequence shard of `degree` ranks. Every piece reads

@@ -19,7 +19,7 @@ import triton.language as tl
 BLOCK_ROWS = 64
 SWIGLU_COLS = 64
 NUM_WARPS = 4
-"""Tile sizes: the fastest of a sweep on one H200 at the streaming forwards' row counts (docs/benchmarks.md §4.12)."""
+"""Tile sizes: the fastest of a sweep on one H200 at the streaming forwards' row counts (docs/decisions.md, 'LoRA kernel variants')."""
 
 
 @triton.jit(do_not_specialize=["rows", "out_group"])  # one compile for every row count: none after start-up
