@@ -1,4 +1,5 @@
-"""Protocol-neutral types of the DiT streaming runtime: configs, prompt updates, phase outputs and domain errors.
+"""Protocol-neutral types of the DiT streaming runtime: configs, prompt updates, phase outputs, request events,
+domain errors, and the contract of a backend and its session (`DiTBackend`, `DiTSession`).
 
 Frozen dataclasses validated in `__post_init__`; knows nothing about the model, the KV cache, gRPC or threads.
 """
@@ -7,8 +8,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:  # the contract's attribute types only
+    from services.dit.model.network import DiT
+    from services.dit.stream.geometry import Canvas
+    from services.dit.stream.kv_cache import CleanAVKVCache
+    from services.dit.stream.session import CancelToken
 
 from services.common.config import bucket_sizes_error
 from services.common.errors import Cancelled, InvalidInput, VitascopeError
@@ -194,3 +202,81 @@ class PhaseOutput:
     audio: torch.Tensor
     """[2, A, 32] float32 clean audio latents (left, right)."""
     meta: PhaseMeta
+
+
+@dataclass(frozen=True)
+class PhaseAck:
+    """The consumer decoded this phase (acks come in phase order)."""
+
+    request_index: int
+    phase_index: int
+
+
+@dataclass(frozen=True, eq=False)
+class PromptArrival:
+    """A whole prompt from the request stream and its role."""
+
+    update: PromptUpdate
+    fallback: bool = False
+    """The hold's fallback prompt (only right after the first prompt); False: the active prompt or an update."""
+
+
+RequestEvent = PhaseAck | PromptArrival
+"""What a session's request stream carries after its start, as the service core reads it."""
+
+
+@runtime_checkable
+class DiTSession(Protocol):
+    """One endless stream of phases: `DiTRuntime`'s `StreamingSession`, or a Ulysses group's `GroupSession`."""
+
+    canvas: Canvas
+    """The session's canvas."""
+    kv: CleanAVKVCache | None
+    """Rank 0's KV cache (None once released)."""
+    cancel_token: CancelToken
+    """Set by `cancel()`; generation checks it between forwards."""
+    closed: bool
+    """True once the session has ended and released its KV."""
+    request_index: int
+    """The request the next phase belongs to."""
+    phase_index: int
+    """The next phase's index within its request."""
+
+    def submit_prompt(self, update: PromptUpdate) -> None:
+        """Queue a prompt update; it takes effect at the next request boundary."""
+
+    def close_prompts(self) -> None:
+        """Say that no prompt will come any more: a hold at a request boundary ends at once."""
+
+    def cancel(self) -> None:
+        """Cancel: an idle session releases its KV now, a running phase at its next check."""
+
+    def close(self) -> None:
+        """End the session normally and release its KV."""
+
+    def next_phase(self) -> PhaseOutput:
+        """Generate the next phase; raises SessionCancelled or SessionClosed."""
+
+
+@runtime_checkable
+class DiTBackend(Protocol):
+    """Where sessions run: one process's `DiTRuntime`, or rank 0 of a Ulysses group (`DiTGroup`)."""
+
+    model: DiT
+    """Rank 0's network."""
+    config: RuntimeConfig
+    """The runtime's fixed settings."""
+    failed: bool
+    """True once the backend can serve no more sessions (a rank died or diverged)."""
+    active_session: DiTSession | None
+    """The one open session, if any."""
+
+    def check_prompt(self, prompt: PromptUpdate) -> None:
+        """Reject an embedding of the wrong width or longer than max_text_tokens."""
+
+    def open_session(self, config: SessionConfig, prompt: PromptUpdate,
+                     fallback: PromptUpdate | None = None) -> DiTSession:
+        """Validate and start the one session; raises InvalidCanvas, InvalidPrompt or NoCapacity."""
+
+    def shutdown(self) -> None:
+        """Stop what the backend runs beside this process (a group's worker ranks)."""

@@ -5,10 +5,9 @@ phase acks. Response stream: `started`, then per phase meta → video parts → 
 are generated in a worker thread; cancelling the call cancels the session, which releases its KV cache, and
 closing the request stream ends the call after the phase in progress.
 
-Flow control: a phase is generated only while fewer than `dit.max_phases_ahead` phases are unacknowledged
-(`PhaseAck`, sent by the consumer in phase order once it has decoded the phase), so the DiT never runs more
-than that far ahead of the VAE and a prompt update lands at the next request boundary after what the viewer
-has received. The first max_phases_ahead phases need no ack.
+Flow control and prompt assembly are the core's (`services.dit.flow`: a phase only while fewer than
+`dit.max_phases_ahead` are unacknowledged by `PhaseAck`s); this module maps messages to its `RequestEvent`s and
+its phases to messages.
 
 Transport: `SessionStart.consumer` carries the VAE's `TransportHello` (the gateway asks the VAE's `Transport/Hello`).
 When the DiT's rank 0 runs on CUDA and the handshake picks CUDA IPC, the session's latents go as single
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -40,8 +38,8 @@ from services.common.media import AUDIO_SAMPLE_RATE
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
 from services.tensors.stage_transport import (IpcExporter, ProcessConsumer, SessionLeases, TensorReceiver,
                                              register_transport, sender)
-from services.dit.api import PhaseOutput, PromptUpdate, SessionConfig
-from services.dit.stream.runtime import StreamingSession
+from services.dit.api import PhaseAck, PhaseOutput, PromptArrival, PromptUpdate, RequestEvent, SessionConfig
+from services.dit.flow import SessionFlow
 from services.dit.service import DiTService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
@@ -52,125 +50,40 @@ CONSUMER = "vae"
 """The peer label of the latents' consumer in the transport metrics."""
 
 
-class PhaseCredit:
-    """Counts the phases sent but not yet acknowledged; `acquire()` waits while `max_ahead` are outstanding."""
-
-    def __init__(self, max_ahead: int):
-        if max_ahead < 1:
-            raise ValueError(f"max_phases_ahead={max_ahead}: must be >= 1")
-        self.max_ahead = max_ahead
-        self._unacked: collections.deque[tuple[int, int]] = collections.deque()
-        self._changed = asyncio.Event()
-        self._closed = False
-        self._error: BaseException | None = None
-
-    @property
-    def unacked(self) -> int:
-        return len(self._unacked)
-
-    def sent(self, request_index: int, phase_index: int) -> None:
-        """Record that phase (request_index, phase_index) went out."""
-        self._unacked.append((request_index, phase_index))
-
-    def ack(self, request_index: int, phase_index: int) -> None:
-        """The consumer decoded this phase; acks must come in phase order."""
-        if not self._unacked:
-            raise SequenceMismatch(f"ack for phase {request_index}.{phase_index}, but no phase is unacknowledged")
-        if self._unacked[0] != (request_index, phase_index):
-            oldest = "{}.{}".format(*self._unacked[0])
-            raise SequenceMismatch(f"ack for phase {request_index}.{phase_index}, but the oldest "
-                                   f"unacknowledged phase is {oldest} (acks must come in phase order)")
-        self._unacked.popleft()
-        self._changed.set()
-
-    @property
-    def error(self) -> BaseException | None:
-        """Why reading the request stream failed (None while it has not)."""
-        return self._error
-
-    def close(self, error: BaseException | None = None) -> None:
-        """The request stream ended (with `error` if reading it failed): no more acks will come."""
-        self._closed, self._error = True, error
-        self._changed.set()
-
-    async def acquire(self) -> bool:
-        """Wait until another phase may be generated; False once the request stream has ended.
-
-        Raises the request reader's error if reading the stream failed."""
-        while not self._closed and len(self._unacked) >= self.max_ahead:
-            self._changed.clear()
-            await self._changed.wait()
-        if self._error is not None:
-            raise self._error
-        return not self._closed
+async def request_events(requests: AsyncIterator[dit_pb2.StreamRequest], receiver: TensorReceiver,
+                         leases: SessionLeases | None, prompt_releases: collections.deque[tensor_pb2.Release]
+                         ) -> AsyncIterator[RequestEvent]:
+    """The request stream after `start` as the core's events: phase acks and whole prompts (assembled from their
+    parts by `receiver`). Latent slot releases go to the session's `leases` (None: host bytes, it holds none); a CUDA
+    IPC prompt part's release waits in `prompt_releases` for the response stream."""
+    async for request in requests:
+        kind = request.WhichOneof("kind")
+        if kind == "ack":
+            yield PhaseAck(request.ack.request_index, request.ack.phase_index)
+        elif kind == "release":
+            if leases is None:
+                raise IpcError(f"release of slot {request.release.slot}: this session's latents go as host "
+                               "bytes, it holds no CUDA IPC slot")
+            leases.release(request.release)
+        elif kind == "prompt":
+            part = request.prompt
+            embedding, release = await receiver.receive(part.embedding)
+            if release is not None:
+                prompt_releases.append(release)
+            if embedding is not None:
+                if part.role not in (dit_pb2.PROMPT_ROLE_ACTIVE, dit_pb2.PROMPT_ROLE_FALLBACK):
+                    raise SequenceMismatch(f"prompt {part.event_id!r}: unknown role {part.role}")
+                yield PromptArrival(PromptUpdate(embedding=embedding.float(), event_id=part.event_id),
+                                    fallback=part.role == dit_pb2.PROMPT_ROLE_FALLBACK)
+        else:
+            raise SequenceMismatch(f"expected a prompt part, a phase ack or a release, got {kind}")
 
 
-class RequestReader:
-    """Reads the request stream after `start`: assembles prompt parts into whole `PromptUpdate`s, hands
-    phase acks to the session's `PhaseCredit` and latent slot releases to its `SessionLeases` (None: host bytes).
-
-    A CUDA IPC prompt part is copied out of the encoder's pool into host memory (the same tensor the host path
-    gives) by `consumer()`, the process's IpcConsumer; its release waits in `prompt_releases` for the response
-    stream. Without `consumer`, only host parts are accepted."""
-
-    def __init__(self, requests: AsyncIterator[dit_pb2.StreamRequest], credit: PhaseCredit,
-                 leases: SessionLeases | None = None, consumer: Callable[[], IpcConsumer] | None = None):
-        self._requests = requests
-        self._credit = credit
-        self._leases = leases
-        self._receiver = TensorReceiver("prompt embedding", consumer or _no_ipc_consumer, "cpu")
-        self.prompt_releases: collections.deque[tensor_pb2.Release] = collections.deque()
-
-    async def next_prompt(self) -> tuple[PromptUpdate, int] | None:
-        """The next complete prompt and its role (acks on the way are applied), or None at the stream's end."""
-        async for request in self._requests:
-            kind = request.WhichOneof("kind")
-            if kind == "ack":
-                self._credit.ack(request.ack.request_index, request.ack.phase_index)
-            elif kind == "release":
-                if self._leases is None:
-                    raise IpcError(f"release of slot {request.release.slot}: this session's latents go as host "
-                                   "bytes, it holds no CUDA IPC slot")
-                self._leases.release(request.release)
-            elif kind == "prompt":
-                part = request.prompt
-                embedding, release = await self._receiver.receive(part.embedding)
-                if release is not None:
-                    self.prompt_releases.append(release)
-                if embedding is not None:
-                    return PromptUpdate(embedding=embedding.float(), event_id=part.event_id), part.role
-            else:
-                raise SequenceMismatch(f"expected a prompt part, a phase ack or a release, got {kind}")
-        return None
-
-    async def run(self, session: StreamingSession) -> None:
-        """Submit prompt updates and apply acks until the stream ends; then (or on failure) close the credit.
-
-        At the stream's end no prompt can come any more, so a hold for one ends. A failure ends the call with its
-        error, so the session is cancelled at once: a phase or a hold under way would only delay the status."""
-        try:
-            while (item := await self.next_prompt()) is not None:
-                if item[1] != dit_pb2.PROMPT_ROLE_ACTIVE:
-                    raise SequenceMismatch(f"prompt {item[0].event_id!r} has the FALLBACK role: a fallback is only "
-                                           "accepted right after the first prompt, with hold.has_fallback_prompt")
-                session.submit_prompt(item[0])
-        except Exception as exc:  # handed to the generation loop, which turns it into the call's status
-            self._credit.close(exc)
-            await asyncio.to_thread(session.cancel)  # a group's cancel talks to the other ranks: off the loop
-            return
-        self._credit.close()
-        session.close_prompts()
-
-
-def _no_ipc_consumer() -> IpcConsumer:
-    raise IpcError("this reader takes host parts only")
-
-
-def release_messages(reader: RequestReader) -> list[dit_pb2.StreamResponse]:
+def release_messages(prompt_releases: collections.deque[tensor_pb2.Release]) -> list[dit_pb2.StreamResponse]:
     """The prompt releases waiting to go out (emptied)."""
     messages = []
-    while reader.prompt_releases:
-        messages.append(dit_pb2.StreamResponse(prompt_release=reader.prompt_releases.popleft()))
+    while prompt_releases:
+        messages.append(dit_pb2.StreamResponse(prompt_release=prompt_releases.popleft()))
     return messages
 
 
@@ -209,13 +122,6 @@ def observe(out: PhaseOutput, span: tracing.SpanContext) -> None:
     record_gpu_memory()
 
 
-def _cancel_opened(opening: asyncio.Future) -> None:
-    """Done-callback of an open whose call was cancelled: cancel the session it opened (frees the slot), off the
-    event loop (a group's cancel talks to the other ranks)."""
-    if not opening.cancelled() and opening.exception() is None:
-        asyncio.get_running_loop().run_in_executor(None, opening.result().cancel)
-
-
 def latent_exporter(cfg: DiTConfig) -> IpcExporter:
     """The process's CUDA IPC exporter of latents to the VAE, from the profile (a pool on rank 0's device)."""
     return IpcExporter(cfg.devices[0], cfg.ipc_slot_mib << 20, cfg.ipc_pool_slots, CONSUMER, enabled=cfg.cuda_ipc)
@@ -237,26 +143,9 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         self.consumer = ProcessConsumer(consumer or IpcConsumer)
         """The process's IPC consumer of prompt embeddings (made on the first CUDA IPC prompt part)."""
 
-    async def _open(self, start: dit_pb2.SessionStart, reader: RequestReader) -> StreamingSession:
-        prompt = await reader.next_prompt()
-        if prompt is None:
-            raise SequenceMismatch("the stream closed before the first prompt arrived")
-        if prompt[1] != dit_pb2.PROMPT_ROLE_ACTIVE:
-            raise SequenceMismatch("the first prompt must have the ACTIVE role; a FALLBACK prompt follows it")
-        fallback = None
-        if start.hold.has_fallback_prompt:
-            fallback = await reader.next_prompt()
-            if fallback is None or fallback[1] != dit_pb2.PROMPT_ROLE_FALLBACK:
-                raise SequenceMismatch("hold.has_fallback_prompt is set but no FALLBACK prompt followed")
-            fallback = fallback[0]
-        config = SessionConfig(seed=start.seed, width=start.width, height=start.height,
-                               hold=self.service.hold_config(start.hold.enabled, start.hold.max_seconds))
-        opening = asyncio.ensure_future(asyncio.to_thread(self.service.open, config, prompt[0], fallback))
-        try:
-            return await asyncio.shield(opening)
-        except asyncio.CancelledError:  # the caller left while the open ran on: give back what it opens
-            opening.add_done_callback(_cancel_opened)
-            raise
+    def _config(self, start: dit_pb2.SessionStart) -> SessionConfig:
+        return SessionConfig(seed=start.seed, width=start.width, height=start.height,
+                             hold=self.service.hold_config(start.hold.enabled, start.hold.max_seconds))
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         try:
@@ -266,14 +155,17 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         except Exception as exc:  # the boundary: every failure becomes a status
             await abort_with(context, exc)
             return
+        start = first.start
         session_span = tracing.continue_trace(tracing.metadata_traceparent(context.invocation_metadata()))
-        with log_context(session_id=first.start.session_id or None, trace_id=session_span.trace_id):
-            credit = PhaseCredit(self.max_phases_ahead)
+        with log_context(session_id=start.session_id or None, trace_id=session_span.trace_id):
+            prompt_releases: collections.deque[tensor_pb2.Release] = collections.deque()
             leases = None
             try:
-                leases = await asyncio.to_thread(self.exporter.session, first.start.consumer)
-                reader = RequestReader(request_iterator, credit, leases, self.consumer)
-                session = await self._open(first.start, reader)
+                leases = await asyncio.to_thread(self.exporter.session, start.consumer)
+                receiver = TensorReceiver("prompt embedding", self.consumer, "cpu")
+                events = request_events(request_iterator, receiver, leases, prompt_releases)
+                flow = SessionFlow(self.service, events, self.max_phases_ahead)
+                session = await flow.open(lambda: self._config(start), start.hold.has_fallback_prompt)
             except Exception as exc:  # the boundary: every failure becomes a status
                 self._end_leases(leases)
                 await abort_with(context, exc)
@@ -281,36 +173,33 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
             send = sender(leases, CONSUMER)
             ACTIVE_SESSIONS.inc()
             log.info("session started: %dx%d", session.canvas.width, session.canvas.height)
-            requests = asyncio.create_task(reader.run(session))
+            flow.begin(session)
+
+            async def render(out: PhaseOutput) -> list[dit_pb2.StreamResponse]:
+                span = session_span.child()
+                observe(out, span)
+                return await asyncio.to_thread(phase_messages, out, span, send)
+
+            async def write(messages: list[dit_pb2.StreamResponse]) -> None:
+                for message in messages:
+                    await context.write(message)
+
+            async def releases() -> None:  # the prompt slots copied out since the last phase, or during the wait
+                await write(release_messages(prompt_releases))
+
             try:
                 await context.write(dit_pb2.StreamResponse(started=dit_pb2.Started(
                     kv_capacity_rows=session.kv.capacity if session.kv is not None else 0)))
-                while True:
-                    for message in release_messages(reader):  # prompt slots copied out since the last phase
-                        await context.write(message)
-                    if not await credit.acquire():
-                        break
-                    for message in release_messages(reader):  # ... and while waiting for the credit
-                        await context.write(message)
-                    out = await asyncio.to_thread(session.next_phase)
-                    span = session_span.child()
-                    observe(out, span)
-                    messages = await asyncio.to_thread(phase_messages, out, span, send)
-                    credit.sent(out.meta.request_index, out.meta.phase_index)
-                    for message in messages:
-                        await context.write(message)
+                await flow.generate(session, render, write, releases)
                 log.info("session ended: the client closed its request stream")
             except asyncio.CancelledError:
                 log.info("session cancelled by the client")
                 raise
             except Exception as exc:  # the boundary: every failure becomes a status
-                await abort_with(context, credit.error or exc)  # the request reader's error cancels the session
+                await abort_with(context, exc)
             finally:
                 try:
-                    requests.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await requests
-                    await asyncio.shield(asyncio.to_thread(session.cancel))  # a group's cancel talks to the ranks
+                    await flow.end(session)
                 finally:  # also when the call is cancelled meanwhile (a client's cancel ends its stream first)
                     self._end_leases(leases)
                     ACTIVE_SESSIONS.dec()

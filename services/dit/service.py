@@ -15,7 +15,7 @@ from services.common.config import Profile
 from services.tensors.cuda_graphs import PromptBuckets
 from services.common.errors import NotReady
 from services.common.grpc_server import Stage
-from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionConfig
+from services.dit.api import DiTBackend, DiTSession, HoldConfig, PromptUpdate, RuntimeConfig, SessionConfig
 from services.dit.model.attention_kernels import prefer_attention_kernels
 from services.dit.model.block_graphs import BlockGraphs
 from services.dit.model.checkpoint import load_dit
@@ -133,7 +133,8 @@ class DiTService(Stage):
 
     def __init__(self, profile: Profile):
         self.profile = profile
-        self.runtime: DiTRuntime | DiTGroup | None = None
+        self.runtime: DiTBackend | None = None
+        """This process's `DiTRuntime`, or rank 0's `DiTGroup` (None while loading)."""
 
     def start(self) -> None:
         """Build the runtime, or launch the Ulysses group whose rank 0 runs here."""
@@ -149,11 +150,11 @@ class DiTService(Stage):
     @property
     def failed(self) -> bool:
         """True once a rank of the group died or diverged (the service must report NOT_SERVING)."""
-        return isinstance(self.runtime, DiTGroup) and self.runtime.failed
+        return self.runtime is not None and self.runtime.failed
 
     def close(self) -> None:
         """Stop the group's worker ranks."""
-        if isinstance(self.runtime, DiTGroup):
+        if self.runtime is not None:
             self.runtime.shutdown()
 
     def warmup(self) -> None:
@@ -166,7 +167,7 @@ class DiTService(Stage):
         finally:
             session.close()
 
-    def open(self, config: SessionConfig, prompt: PromptUpdate, fallback: PromptUpdate | None):
+    def open(self, config: SessionConfig, prompt: PromptUpdate, fallback: PromptUpdate | None) -> DiTSession:
         """Open the group's one session, waiting briefly for a cancelled predecessor to release its KV."""
         if self.runtime is None:
             raise NotReady("the DiT is still loading")

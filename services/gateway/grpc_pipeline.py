@@ -309,15 +309,17 @@ class GrpcSession(PipelineSession):
                     if reply.HasField(field):
                         await self._relay_release(getattr(reply, field))
                 data += reply.data
-                if not reply.last:
+                end = reply.WhichOneof("end")
+                if end is None:  # more parts of this chunk follow
                     continue
-                if reply.trailer:  # the last message the VAE sends
+                if end == "trailer":  # the last message the VAE sends
                     yield self._trailer(bytes(data), reply.num_frames)
                     data = bytearray()
                     continue
                 meta = self._metas[0]
                 first_part = not phase_begun  # a phase's event ids, text and DiT seconds ride on its first chunk
-                if not reply.phase_continues:  # the phase is delivered: the DiT may run one more ahead
+                phase_continues = end == "phase_continues"
+                if not phase_continues:  # the phase is delivered: the DiT may run one more ahead
                     self._last_meta = self._metas.popleft()
                     await self._ack(meta)
                 text_seconds = 0.0
@@ -337,8 +339,8 @@ class GrpcSession(PipelineSession):
                                          dit=sum(meta.stage_seconds.values()) if first_part else 0.0,
                                          vae=decode_seconds(reply),
                                          mux=reply.mux_seconds),
-                    phase_continues=reply.phase_continues)
-                data, phase_begun = bytearray(), reply.phase_continues
+                    phase_continues=phase_continues)
+                data, phase_begun = bytearray(), phase_continues
         except asyncio.CancelledError:
             # Our own cancel of the VAE call (the drain timed out) surfaces here as CancelledError: end the
             # stream normally, unless this task itself is being cancelled.

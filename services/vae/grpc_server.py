@@ -1,9 +1,10 @@
 """gRPC mapping of the VAE stage: one `Decode` call is one stream; each phase_end yields its fMP4 chunks (one, or
 three for the stream's first phase: `DecodeSession.phase`).
 
-When the client closes its request stream, the muxer is closed and its closing bytes go out as a last chunk
-with `trailer` set (the AAC encoder's held-back audio); a phase whose phase_end never came is dropped.
-Cancelling the call drops everything.
+The stream's order (phases in order, each alone on the shared decoders, the trailer last) is the core's
+(`services.vae.service.DecodeStream`); this module maps messages. When the client closes its request stream, the
+muxer is closed and its closing bytes go out as a last chunk ending in `trailer` (the AAC encoder's held-back
+audio); a phase whose phase_end never came is dropped. Cancelling the call drops everything.
 
 Transport: latent parts are host bytes or CUDA IPC references into the DiT's exported pool (`TensorPart.cuda`).
 A CUDA IPC part is copied out at once (onto `vae.device` when that is a GPU) by the process's one `IpcConsumer`,
@@ -32,7 +33,7 @@ from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.metrics import ACTIVE_SESSIONS, STAGE_LATENCY, record_gpu_memory
 from services.tensors.stage_transport import ProcessConsumer, TensorReceiver, register_transport
 from services.tensors.transport import MAX_PART_BYTES
-from services.vae.service import Chunk, VAEService
+from services.vae.service import Chunk, DecodeStreams, VAEService
 from vitascope.common.v1 import tensor_pb2
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
 
@@ -42,15 +43,15 @@ log = logging.getLogger(__name__)
 def chunk_messages(index: int, chunk: Chunk, *, trailer: bool = False,
                    release_video: tensor_pb2.Release | None = None,
                    release_audio: tensor_pb2.Release | None = None) -> list[vae_pb2.DecodeResponse]:
-    """One chunk's bytes as responses of at most 1 MiB; `last` marks the final one, `trailer` the muxer's
-    closing bytes. The phase's CUDA IPC releases (if any) ride on the first response."""
+    """One chunk's bytes as responses of at most 1 MiB; the final one carries the chunk's `end` (`trailer`: the
+    muxer's closing bytes). The phase's CUDA IPC releases (if any) ride on the first response."""
     pieces = [chunk.data[i:i + MAX_PART_BYTES] for i in range(0, len(chunk.data), MAX_PART_BYTES)] or [b""]
+    end = "trailer" if trailer else "phase_continues" if chunk.phase_continues else "phase_done"
     messages = [vae_pb2.DecodeResponse(
-        data=piece, last=i == len(pieces) - 1, chunk_index=index, num_frames=chunk.num_frames,
-        num_audio_samples=chunk.num_audio_samples, video_decode_seconds=chunk.video_decode_seconds,
-        audio_decode_seconds=chunk.audio_decode_seconds, mux_seconds=chunk.mux_seconds, trailer=trailer,
-        phase_continues=chunk.phase_continues)
-        for i, piece in enumerate(pieces)]
+        data=piece, chunk_index=index, num_frames=chunk.num_frames, num_audio_samples=chunk.num_audio_samples,
+        video_decode_seconds=chunk.video_decode_seconds, audio_decode_seconds=chunk.audio_decode_seconds,
+        mux_seconds=chunk.mux_seconds) for piece in pieces]
+    getattr(messages[-1], end).SetInParent()
     if release_video is not None:
         messages[0].release_video.CopyFrom(release_video)
     if release_audio is not None:
@@ -68,10 +69,8 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
         profile = getattr(service, "profile", None)
         device = profile.vae.device if profile is not None else "cpu"
         self._device = device if device.startswith("cuda") else None  # IPC latents are copied onto the decoder's GPU
-        self._phases = asyncio.Lock()
-        """One phase at a time decodes on the shared decoders. A session's chunks hold the service's own lock from
-        its first chunk to its last, so the sessions queue here, on the event loop: waiting for that lock in
-        worker threads, enough of them filled the pool and the holder could never make its next chunk."""
+        self.streams = DecodeStreams(service)
+        """The decode streams' order and their turns on the shared decoders (`DecodeStreams`)."""
 
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         ACTIVE_SESSIONS.inc()
@@ -82,59 +81,40 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
             s = first.start
             session_span = tracing.continue_trace(tracing.metadata_traceparent(context.invocation_metadata()))
             with log_context(session_id=s.session_id or None, trace_id=session_span.trace_id):
-                session = await asyncio.to_thread(self.service.open, s.width, s.height, s.fps or VIDEO_FPS,
-                                                  s.sample_rate or AUDIO_SAMPLE_RATE)
+                releases: dict[str, tensor_pb2.Release | None] = {"video": None, "audio": None}
+                phase_end = vae_pb2.PhaseEnd()
+
+                async def write(index: int, chunk: Chunk) -> None:
+                    observe(index, phase_end, chunk)
+                    for message in chunk_messages(index, chunk, release_video=releases["video"],
+                                                  release_audio=releases["audio"]):
+                        await context.write(message)
+                    releases.update(video=None, audio=None)  # a phase's releases ride on its first chunk
+
+                stream = await self.streams.open(s.width, s.height, s.fps or VIDEO_FPS,
+                                                 s.sample_rate or AUDIO_SAMPLE_RATE, write)
                 log.info("decode session opened: %dx%d", s.width, s.height)
-                video_parts = TensorReceiver("video latents", self.consumer, self._device)
-                audio_parts = TensorReceiver("audio latents", self.consumer, self._device)
-                video = audio = video_release = audio_release = None
-                index, last_phase = 0, None
+                parts = {kind: TensorReceiver(f"{kind} latents", self.consumer, self._device)
+                         for kind in ("video", "audio")}
                 async for request in request_iterator:
                     kind = request.WhichOneof("kind")
-                    if kind == "video":
-                        if video is not None:
-                            _twice("video")
-                        video, video_release = await video_parts.receive(request.video)
-                    elif kind == "audio":
-                        if audio is not None:
-                            _twice("audio")
-                        audio, audio_release = await audio_parts.receive(request.audio)
+                    if kind in ("video", "audio"):
+                        stream.expect(kind)
+                        latents, release = await parts[kind].receive(getattr(request, kind))
+                        if latents is not None:
+                            getattr(stream, kind)(latents)
+                            releases[kind] = release
                     elif kind == "phase_end":
-                        if video is None or audio is None:
-                            raise SequenceMismatch("phase_end before the phase's video and audio latents")
-                        phase = (request.phase_end.request_index, request.phase_end.phase_index)
-                        if last_phase is not None and phase <= last_phase:
-                            raise SequenceMismatch(f"phase_end of (request, phase) {phase} after {last_phase}: "
-                                                   "phases must arrive in order, each once")
-                        last_phase = phase
-                        async with self._phases:
-                            chunks = await asyncio.to_thread(session.phase, video.float(), audio.float())
-                            making = None  # the chunk being made in a worker thread
-                            try:  # each chunk goes out as soon as it is muxed (a first phase has three)
-                                while True:
-                                    making = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
-                                    chunk = await asyncio.shield(making)
-                                    making = None
-                                    if chunk is None:
-                                        break
-                                    observe(index, request.phase_end, chunk)
-                                    for message in chunk_messages(index, chunk, release_video=video_release,
-                                                                  release_audio=audio_release):
-                                        await context.write(message)
-                                    index, video_release, audio_release = index + 1, None, None
-                            finally:  # a cancelled call leaves its phase: the shared decoders are freed for others
-                                if making is not None:  # cancelled while a chunk was made: it ends first
-                                    await asyncio.wait([making])
-                                await asyncio.to_thread(chunks.close)
-                        video, audio = None, None
+                        phase_end = request.phase_end
+                        await stream.end_phase(phase_end.request_index, phase_end.phase_index)
                     else:
                         raise SequenceMismatch(f"unexpected {kind} after start")
-                if video is not None or audio is not None:
-                    log.info("request stream closed inside phase %d: its partial latents are dropped", index)
-                tail = await asyncio.to_thread(session.close)
-                log.info("decode session closed after %d chunks (trailer %d bytes)", index, len(tail.data))
+                if stream.partial:
+                    log.info("request stream closed inside phase %d: its partial latents are dropped", stream.chunks)
+                tail = await stream.close()
+                log.info("decode session closed after %d chunks (trailer %d bytes)", stream.chunks, len(tail.data))
                 if tail.data:
-                    for message in chunk_messages(index, tail, trailer=True):
+                    for message in chunk_messages(stream.chunks, tail, trailer=True):
                         await context.write(message)
         except asyncio.CancelledError:
             raise
@@ -162,10 +142,6 @@ def observe(index: int, phase_end: vae_pb2.PhaseEnd, chunk: Chunk) -> None:
         fields.update(phase_span.log_fields())
     fields.update({f"{stage}_s": round(seconds, 4) for stage, seconds in timings})
     log.info("chunk %d decoded (%d bytes)", index, len(chunk.data), extra=fields)
-
-
-def _twice(what: str):
-    raise SequenceMismatch(f"a second {what} tensor arrived before phase_end")
 
 
 def register(server: grpc.aio.Server, service: VAEService) -> None:

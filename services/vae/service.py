@@ -5,6 +5,7 @@ incremental decoders (temporal context) and its own muxer (one H.264 + AAC timel
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import pathlib
@@ -13,12 +14,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterator
+from typing import Awaitable, Callable, Iterator, Protocol
 
 import torch
 
 from services.common.config import Profile
-from services.common.errors import InvalidInput, NotReady
+from services.common.errors import InvalidInput, NotReady, SequenceMismatch
 from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.vae.checkpoint import load_audio_vae, load_video_vae
@@ -176,6 +177,98 @@ class DecodeSession:
         data += self.mux.close()
         return Chunk(data=data, num_frames=num_frames, num_audio_samples=0, video_decode_seconds=0.0,
                      audio_decode_seconds=0.0, mux_seconds=time.perf_counter() - t0)
+
+
+class Decoders(Protocol):
+    """What a decode stream needs of the service: one stream's decoders and muxer."""
+
+    def open(self, width: int, height: int, fps: int, sample_rate: int) -> DecodeSession:
+        """Start one stream's decoders and muxer."""
+
+
+class DecodeStream:
+    """One stream's order, protocol-neutral: per phase its video and audio latents once each, then its end, the
+    phases in order, each decoded alone on the shared decoders (`phases`); `close()` gives the trailer, last.
+
+    `write(index, chunk)` sends one chunk as soon as it is muxed (a stream's first phase has three)."""
+
+    def __init__(self, session: DecodeSession, phases: asyncio.Lock, write: Callable[[int, Chunk], Awaitable[None]]):
+        self.session = session
+        self._phases, self._write = phases, write
+        self._video: torch.Tensor | None = None
+        self._audio: torch.Tensor | None = None
+        self._last_phase: tuple[int, int] | None = None
+        self.chunks = 0
+        """Chunks written so far (the next chunk's index)."""
+
+    @property
+    def partial(self) -> bool:
+        """A phase's latents arrived without its end (they are dropped at close)."""
+        return self._video is not None or self._audio is not None
+
+    def expect(self, kind: str) -> None:
+        """Raise SequenceMismatch if the phase already has its `kind` ("video" or "audio") latents."""
+        if (self._video if kind == "video" else self._audio) is not None:
+            raise SequenceMismatch(f"a second {kind} tensor arrived before phase_end")
+
+    def video(self, latents: torch.Tensor) -> None:
+        """Take the phase's video latents [F, 24, h, w]."""
+        self.expect("video")
+        self._video = latents
+
+    def audio(self, latents: torch.Tensor) -> None:
+        """Take the phase's audio latents [2, A, 32]."""
+        self.expect("audio")
+        self._audio = latents
+
+    async def end_phase(self, request_index: int, phase_index: int) -> None:
+        """Decode the phase whose latents arrived and write its chunks; raises SequenceMismatch out of order."""
+        if self._video is None or self._audio is None:
+            raise SequenceMismatch("phase_end before the phase's video and audio latents")
+        phase = (request_index, phase_index)
+        if self._last_phase is not None and phase <= self._last_phase:
+            raise SequenceMismatch(f"phase_end of (request, phase) {phase} after {self._last_phase}: "
+                                   "phases must arrive in order, each once")
+        self._last_phase = phase
+        video, audio, self._video, self._audio = self._video, self._audio, None, None
+        async with self._phases:
+            chunks = await asyncio.to_thread(self.session.phase, video.float(), audio.float())
+            making = None  # the chunk being made in a worker thread
+            try:  # each chunk goes out as soon as it is muxed (a first phase has three)
+                while True:
+                    making = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+                    chunk = await asyncio.shield(making)
+                    making = None
+                    if chunk is None:
+                        break
+                    await self._write(self.chunks, chunk)
+                    self.chunks += 1
+            finally:  # a cancelled call leaves its phase: the shared decoders are freed for others
+                if making is not None:  # cancelled while a chunk was made: it ends first
+                    await asyncio.wait([making])
+                await asyncio.to_thread(chunks.close)
+
+    async def close(self) -> Chunk:
+        """Close the stream (a phase without its end is dropped); returns the trailer chunk, to go out last."""
+        return await asyncio.to_thread(self.session.close)
+
+
+class DecodeStreams:
+    """Opens decode streams over one service's shared decoders; one phase at a time decodes on them.
+
+    A session's chunks hold the service's own thread lock from its first chunk to its last, so the streams queue
+    here, on the event loop: waiting for that lock in worker threads, enough of them filled the pool and the holder
+    could never make its next chunk."""
+
+    def __init__(self, service: Decoders):
+        self.service = service
+        self._phases = asyncio.Lock()
+
+    async def open(self, width: int, height: int, fps: int, sample_rate: int,
+                   write: Callable[[int, Chunk], Awaitable[None]]) -> DecodeStream:
+        """Start one stream (its decoders and muxer, in a worker thread); `write` sends its chunks."""
+        session = await asyncio.to_thread(self.service.open, width, height, fps, sample_rate)
+        return DecodeStream(session, self._phases, write)
 
 
 class VAEService(Stage):

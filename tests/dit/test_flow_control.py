@@ -20,7 +20,8 @@ from services.common.config import DiTConfig
 from services.common.errors import SequenceMismatch
 from services.tensors.transport import tensor_to_parts
 from services.dit.api import HoldConfig, PhaseMeta, PhaseOutput, PhaseTimings
-from services.dit.grpc_server import DiTServicer, PhaseCredit, phase_messages
+from services.dit.flow import PhaseCredit
+from services.dit.grpc_server import DiTServicer, phase_messages
 from services.encoder.grpc_server import EncoderServicer
 from services.encoder.service import Encoded
 from services.gateway.grpc_pipeline import GrpcPipeline

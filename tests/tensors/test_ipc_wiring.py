@@ -3,6 +3,7 @@ DiT's per-session slot leases (fallback, stale releases, slots taken back at ses
 of CUDA parts. The encoder → DiT leg: tests/tensors/test_ipc_embeddings.py; the fakes: tests/tensors/ipc_fakes.py.
 """
 import asyncio
+import dataclasses
 import os
 
 import grpc
@@ -109,6 +110,15 @@ def test_vae_puts_the_releases_on_the_first_message_of_the_chunk():
     assert messages[0].release_video == rv and messages[0].release_audio == ra
     assert not any(m.HasField("release_video") or m.HasField("release_audio") for m in messages[1:])
     assert not chunk_messages(0, chunk)[0].HasField("release_video")
+
+
+def test_vae_marks_only_the_final_message_of_a_chunk_with_its_end():
+    chunk = Chunk(data=b"x" * (3 << 20), num_frames=4, num_audio_samples=640, video_decode_seconds=0.0,
+                  audio_decode_seconds=0.0, mux_seconds=0.0)
+    ends = lambda messages: [m.WhichOneof("end") for m in messages]  # noqa: E731
+    assert ends(chunk_messages(0, chunk)) == [None, None, "phase_done"]
+    assert ends(chunk_messages(0, dataclasses.replace(chunk, phase_continues=True))) == [None, None, "phase_continues"]
+    assert ends(chunk_messages(0, dataclasses.replace(chunk, data=b""), trailer=True)) == ["trailer"]
 
 
 # ---------------------------------------------------------------- the DiT's side

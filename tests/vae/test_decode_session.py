@@ -202,7 +202,7 @@ async def test_more_concurrent_decode_calls_than_worker_threads_all_finish(decod
     async with vae_stub(service) as stub:
         async def call(seed: int) -> int:
             responses = [r async for r in stub.Decode(decode_requests(f"s{seed}", latents(seed)[:1], [(0, 0)]))]
-            return sum(r.last and not r.trailer for r in responses)
+            return sum(r.WhichOneof("end") in ("phase_continues", "phase_done") for r in responses)
 
         counts = await asyncio.wait_for(asyncio.gather(*(call(i) for i in range(6))), 120)
     assert counts == [3] * 6 and not service.lock.locked()  # the first phase of each: three chunks

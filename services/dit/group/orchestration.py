@@ -262,8 +262,19 @@ def _spec(prompt: PromptUpdate) -> PromptSpec:
     return PromptSpec(prompt.event_id, rows, width)
 
 
+class _RankZero:
+    """A read-only attribute of a `GroupSession` that is its rank 0 session's (`local`) attribute of the same name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, session: "GroupSession | None", owner: type | None = None):
+        return self if session is None else getattr(session.local, self.name)
+
+
 class GroupSession:
-    """Rank 0's handle of the group's session, with `StreamingSession`'s API; each call drives every rank."""
+    """Rank 0's handle of the group's session (a `DiTSession`, as `StreamingSession` is); each call drives every
+    rank."""
 
     def __init__(self, group: "DiTGroup", local: StreamingSession, config: SessionConfig,
                  fallback: PromptUpdate | None):
@@ -278,29 +289,12 @@ class GroupSession:
         """True once the workers' sessions are gone (told to end, or cancelled at an agreed check)."""
 
     # -- read-only views of the local (rank 0) session --
-    @property
-    def canvas(self):
-        return self.local.canvas
-
-    @property
-    def kv(self):
-        return self.local.kv
-
-    @property
-    def cancel_token(self) -> CancelToken:
-        return self.local.cancel_token
-
-    @property
-    def closed(self) -> bool:
-        return self.local.closed
-
-    @property
-    def request_index(self) -> int:
-        return self.local.request_index
-
-    @property
-    def phase_index(self) -> int:
-        return self.local.phase_index
+    canvas = _RankZero()
+    kv = _RankZero()
+    cancel_token = _RankZero()
+    closed = _RankZero()
+    request_index = _RankZero()
+    phase_index = _RankZero()
 
     # -- control (any thread) --
     def submit_prompt(self, update: PromptUpdate) -> None:
@@ -418,7 +412,7 @@ class GroupSession:
 
 
 class DiTGroup:
-    """Rank 0 of a Ulysses DiT group, with `DiTRuntime`'s API (`open_session`, `active_session`, `check_prompt`)."""
+    """Rank 0 of a Ulysses DiT group: a `DiTBackend`, as `DiTRuntime` is."""
 
     def __init__(self, runtime: DiTRuntime, comm: RankGroup, processes: list, step_timeout_s: float,
                  heartbeat_s: float):

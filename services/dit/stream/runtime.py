@@ -126,7 +126,7 @@ class _RequestState:
 
 
 class DiTRuntime:
-    """One DiT group (model + optional LoRA); serves one active streaming session at a time."""
+    """One DiT group (model + optional LoRA); serves one active streaming session at a time (a `DiTBackend`)."""
 
     def __init__(self, model: DiT, config: RuntimeConfig, adapter: LoRAAdapter | None = None):
         if model.args.num_heads % config.ulysses_degree:
@@ -141,6 +141,14 @@ class DiTRuntime:
     @property
     def active_session(self) -> "StreamingSession | None":
         return self._active
+
+    @property
+    def failed(self) -> bool:
+        """Always False: a runtime in this process has no ranks to lose."""
+        return False
+
+    def shutdown(self) -> None:
+        """Nothing runs beside this process: a no-op (`DiTBackend`)."""
 
     def open_session(self, config: SessionConfig, prompt: PromptUpdate,
                      fallback: PromptUpdate | None = None) -> "StreamingSession":
@@ -173,7 +181,7 @@ class DiTRuntime:
 
 
 class StreamingSession:
-    """One endless stream; `next_phase()` produces the next phase's latents."""
+    """One endless stream (a `DiTSession`); `next_phase()` produces the next phase's latents."""
 
     def __init__(self, runtime: DiTRuntime, config: SessionConfig, canvas: Canvas, prompt: PromptUpdate,
                  fallback: PromptUpdate | None):

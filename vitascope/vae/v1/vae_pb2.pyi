@@ -45,9 +45,8 @@ class DecodeRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., video: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., audio: _Optional[_Union[_tensor_pb2.TensorPart, _Mapping]] = ..., phase_end: _Optional[_Union[PhaseEnd, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("data", "last", "chunk_index", "num_frames", "num_audio_samples", "video_decode_seconds", "audio_decode_seconds", "mux_seconds", "release_video", "release_audio", "trailer", "phase_continues")
+    __slots__ = ("data", "chunk_index", "num_frames", "num_audio_samples", "video_decode_seconds", "audio_decode_seconds", "mux_seconds", "release_video", "release_audio", "phase_continues", "phase_done", "trailer")
     DATA_FIELD_NUMBER: _ClassVar[int]
-    LAST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     NUM_AUDIO_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -56,10 +55,10 @@ class DecodeResponse(_message.Message):
     MUX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_VIDEO_FIELD_NUMBER: _ClassVar[int]
     RELEASE_AUDIO_FIELD_NUMBER: _ClassVar[int]
-    TRAILER_FIELD_NUMBER: _ClassVar[int]
     PHASE_CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_DONE_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    last: bool
     chunk_index: int
     num_frames: int
     num_audio_samples: int
@@ -68,6 +67,11 @@ class DecodeResponse(_message.Message):
     mux_seconds: float
     release_video: _tensor_pb2.Release
     release_audio: _tensor_pb2.Release
-    trailer: bool
-    phase_continues: bool
-    def __init__(self, data: _Optional[bytes] = ..., last: _Optional[bool] = ..., chunk_index: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_audio_samples: _Optional[int] = ..., video_decode_seconds: _Optional[float] = ..., audio_decode_seconds: _Optional[float] = ..., mux_seconds: _Optional[float] = ..., release_video: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., release_audio: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., trailer: _Optional[bool] = ..., phase_continues: _Optional[bool] = ...) -> None: ...
+    phase_continues: ChunkEnd
+    phase_done: ChunkEnd
+    trailer: ChunkEnd
+    def __init__(self, data: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., num_frames: _Optional[int] = ..., num_audio_samples: _Optional[int] = ..., video_decode_seconds: _Optional[float] = ..., audio_decode_seconds: _Optional[float] = ..., mux_seconds: _Optional[float] = ..., release_video: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., release_audio: _Optional[_Union[_tensor_pb2.Release, _Mapping]] = ..., phase_continues: _Optional[_Union[ChunkEnd, _Mapping]] = ..., phase_done: _Optional[_Union[ChunkEnd, _Mapping]] = ..., trailer: _Optional[_Union[ChunkEnd, _Mapping]] = ...) -> None: ...
+
+class ChunkEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
