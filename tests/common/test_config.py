@@ -55,13 +55,14 @@ def test_vae_tile_overlap_is_validated():
 
 def test_gateway_section_is_typed_and_checked_on_load(tmp_path):
     p = tmp_path / "p.yaml"
-    p.write_text("model: {preset: tiny, dir: x}\ngateway: {allowed_canvases: [[320, 192]], default_canvas: [320, 192]}\n")
+    model = "model: {preset: tiny, dir: x}\n"
+    p.write_text(model + "gateway: {allowed_canvases: [[320, 192]], default_canvas: [320, 192]}\n")
     assert load_profile(p).gateway.allowed_canvases == ((320, 192),)
-    p.write_text("model: {preset: tiny, dir: x}\ngateway: {alowed_canvases: [[320, 192]]}\n")
+    p.write_text(model + "gateway: {alowed_canvases: [[320, 192]]}\n")
     with pytest.raises(ValueError, match="profile section 'gateway': unknown keys \\['alowed_canvases'\\]"):
         load_profile(p)
-    p.write_text("model: {preset: tiny, dir: x}\ngateway: {allowed_canvases: [[320, 191]], default_canvas: [320, 191]}\n")
-    with pytest.raises(ValueError, match="gateway.allowed_canvases entry \\[320, 191\\]: must be a \\[width, height\\]"):
+    p.write_text(model + "gateway: {allowed_canvases: [[320, 191]], default_canvas: [320, 191]}\n")
+    with pytest.raises(ValueError, match="entry \\[320, 191\\]: must be a \\[width, height\\] pair"):
         load_profile(p)
     assert Profile(name="p", model=ModelConfig(preset="tiny", dir="x")).gateway == GatewayConfig()
 
