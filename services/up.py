@@ -44,9 +44,8 @@ def _python(cmd: list[str]) -> list[str]:
 
 
 def _gateway_url(profile: Profile) -> str:
-    host = profile.gateway.get("host", "127.0.0.1")
-    host = "127.0.0.1" if host == "0.0.0.0" else host
-    return f"http://{host}:{profile.gateway.get('port', 8000)}"
+    host = "127.0.0.1" if profile.gateway.host == "0.0.0.0" else profile.gateway.host
+    return f"http://{host}:{profile.gateway.port}"
 
 
 def _wait_healthy(name: str, profile: Profile, proc: subprocess.Popen, deadline: float) -> None:
@@ -69,7 +68,7 @@ def _wait_healthy(name: str, profile: Profile, proc: subprocess.Popen, deadline:
 def check_ports_free(profile: Profile) -> None:
     """Fail before starting anything if a port of the profile is taken (e.g. another vitascope is running)."""
     ports = [("encoder", profile.endpoints.port_of("encoder")), ("dit", profile.endpoints.port_of("dit")),
-             ("vae", profile.endpoints.port_of("vae")), ("gateway", int(profile.gateway.get("port", 8000)))]
+             ("vae", profile.endpoints.port_of("vae")), ("gateway", profile.gateway.port)]
     ports += [(f"{name} metrics", getattr(profile, name).metrics_port) for name in STAGES]
     for name, port in ports:
         if not port:

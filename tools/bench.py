@@ -28,8 +28,8 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from tools.bench_vae import NoVAE, VAEStage
-from services.common.config import (ATTENTION_KERNELS, DiTConfig, EncoderConfig, ModelConfig, Profile, VAEConfig,
-                                    load_profile)
+from services.common.config import (ATTENTION_KERNELS, DiTConfig, EncoderConfig, GatewayConfig, ModelConfig, Profile,
+                                    VAEConfig, load_profile)
 from services.tensors.cuda_graphs import PromptBuckets
 from services.common.gpu_budget import budgets
 from services.common.media import VIDEO_FPS
@@ -44,7 +44,6 @@ from services.dit.stream.schedule import AUDIO_SIGMAS, VIDEO_SIGMAS, model_t
 from services.dit.service import build_runtime
 from services.dit.stream.teacher import STEPS as TEACHER_STEPS
 from services.encoder.model import TextEncoder
-from services.gateway.config import GatewayConfig
 from tools.gpu_trace import KernelTrace
 
 log = logging.getLogger("tools.bench")
@@ -159,7 +158,8 @@ def build(opts):
                       teacher_sharded=opts.teacher_sharded, teacher_overlap=opts.teacher_overlap,
                       teacher_staged=opts.teacher_staged, reuse_text_kv=opts.reuse_text_kv,
                       prompt_buckets=tuple(int(n) for n in opts.prompt_buckets.split(","))),
-        gateway={"allowed_canvases": [(opts.width, opts.height)]})  # the shapes of the DiT's block graphs
+        gateway=GatewayConfig(allowed_canvases=((opts.width, opts.height),),  # the shapes of the DiT's block graphs
+                              default_canvas=(opts.width, opts.height)))
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
         else DiTGroup.start(profile, build_runtime)
     encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,
@@ -388,7 +388,7 @@ def profile_options(profile: Profile) -> dict:
         raise ValueError(f"profile {profile.name}: the bench runs the encoder on the first DiT device and the VAE on "
                          f"the last ({dit.devices[0]}, {dit.devices[-1]}); the profile puts them on "
                          f"{profile.encoder.device} and {vae.device}")
-    width, height = profile.gateway.get("default_canvas", GatewayConfig.default_canvas)
+    width, height = profile.gateway.default_canvas
     return dict(preset=profile.model.preset, devices=",".join(dit.devices), width=width, height=height,
                 max_tokens=profile.encoder.max_tokens, fp8=dit.fp8, adaln_cache=dit.adaln_cache,
                 cuda_graphs=dit.cuda_graphs, prompt_buckets=",".join(map(str, dit.prompt_buckets)),

@@ -1,7 +1,9 @@
 """Deployment profile: typed, validated configuration loaded from one YAML file per profile.
 
 Torch-free, so the gateway can load it too. YAML is read only by `load_profile`, called from each
-service's `main()`; everything below receives the dataclasses.
+service's `main()`; everything below receives the dataclasses. Facts two stages share (the canvases the deployment
+serves: the gateway admits them, the DiT captures graphs and the VAE compiles for them) are typed fields here, so no
+service reads another service's package for its configuration.
 """
 from __future__ import annotations
 
@@ -12,11 +14,15 @@ from typing import Any
 
 import yaml
 
+from services.common.media import VIDEO_FPS
+
 PRESETS = ("tiny", "full")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_KERNELS = ("default", "cudnn", "fa4")
 PROMPT_BUCKETS = (128, 256, 384, 512)
 """Default prompt lengths (tokens) the CUDA graphs are captured for."""
+KiB = 1024
+MiB = 1024 * KiB
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,105 @@ class VAEConfig:
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """The realtime websocket gateway's section; its canvases are also what the DiT and the VAE prepare for."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds."""
+    port: int = 8000
+    """TCP port of HTTP, `/v1/realtime/video`, `/healthz` and `/metrics` (0 picks a free port)."""
+    model: str = "TaoMate-H3"
+    """Served model name; a `session.start` naming another model is rejected (`model_mismatch`)."""
+    num_slots: int = 1
+    """Sessions generating at once (one per DiT group)."""
+    queue_limit: int = 8
+    """Sessions allowed to wait for a slot; one more gets `queue_full`. 0 disables waiting."""
+    start_timeout_s: float = 10.0
+    """Seconds a new connection has to send `session.start`."""
+    stall_timeout_s: float = 60.0
+    """Seconds without a chunk and without `session.ping` before an active session is aborted."""
+    send_timeout_s: float = 30.0
+    """Seconds one outbound message may take to reach the socket; a client that reads nothing for that long
+    (TCP backpressure) is dropped, so it cannot hold a slot or a queue place."""
+    heartbeat_s: float = 20.0
+    """Seconds between websocket pings; a peer that has not answered one within half of that is dropped (a dead
+    network path, or a client that stopped reading while it waits in the queue and so is sent next to nothing)."""
+    max_start_bytes: int = 4 * MiB
+    """Largest accepted `session.start` text frame (UTF-8 bytes)."""
+    max_interaction_bytes: int = 128 * KiB
+    """Largest accepted text frame of any other message type."""
+    max_frame_bytes: int = 8 * MiB
+    """Transport hard limit: a larger frame closes the connection with code 1009 and no reply."""
+    max_prompt_chars: int = 2000
+    """Longest accepted prompt, in characters."""
+    max_pending_updates: int = 16
+    """Prompt updates a session may have waiting for the backend; one more gets `too_many_updates`.
+    Only the newest pending update reaches generation at a request boundary, so more is never useful."""
+    allowed_canvases: tuple[tuple[int, int], ...] = ((480, 864),)
+    """Accepted (width, height) pairs, positive even ints (YAML: a list of [width, height]); the canvas is fixed
+    per deployment. The DiT captures its block graphs for those whose short edge is in `dit.canvas_short_edges`,
+    and the VAE compiles its ViT blocks for every one."""
+    default_canvas: tuple[int, int] = (480, 864)
+    """(width, height) used when `session.start` names neither; one of `allowed_canvases`."""
+    fps: int = VIDEO_FPS
+    """Frame rate of the served model; a `session.start` asking for another rate is rejected."""
+    default_seed: int = 8301
+    """Seed used when `session.start` carries none."""
+    queue_poll_s: float = 1.0
+    """Seconds between stall checks and queue-position refreshes."""
+    drain_timeout_s: float = 5.0
+    """Seconds to wait for the pipeline's last chunks after `session.stop` before giving up."""
+    static_dir: str | None = None
+    """Directory served at `/` (None: the page shipped in `services/gateway/static`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_canvases", tuple(_canvas("gateway.allowed_canvases entry", c)
+                                                           for c in _pairs(self.allowed_canvases)))
+        object.__setattr__(self, "default_canvas", _canvas("gateway.default_canvas", self.default_canvas))
+        if not self.allowed_canvases:
+            raise ValueError("gateway.allowed_canvases is empty: list at least one [width, height]")
+        if self.default_canvas not in self.allowed_canvases:
+            raise ValueError(f"gateway.default_canvas={list(self.default_canvas)} is not in gateway.allowed_canvases "
+                             f"{[list(c) for c in self.allowed_canvases]}: pick one of them or add it")
+        if not self.host:
+            raise ValueError("gateway.host is empty: use e.g. '127.0.0.1' or '0.0.0.0'")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"gateway.port={self.port}: must be in 0..65535 (0 picks a free port)")
+        if not self.model:
+            raise ValueError("gateway.model is empty: set the served model name")
+        for name in ("num_slots", "max_pending_updates", "max_prompt_chars", "fps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"gateway.{name}={getattr(self, name)}: must be >= 1")
+        if self.queue_limit < 0:
+            raise ValueError(f"gateway.queue_limit={self.queue_limit}: must be >= 0 (0 disables waiting)")
+        for name in ("start_timeout_s", "stall_timeout_s", "send_timeout_s", "heartbeat_s", "queue_poll_s",
+                     "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"gateway.{name}={getattr(self, name)}: must be > 0 seconds")
+        if self.max_start_bytes < 1 or self.max_interaction_bytes < 1:
+            raise ValueError(f"gateway.max_start_bytes={self.max_start_bytes}, gateway.max_interaction_bytes="
+                             f"{self.max_interaction_bytes}: message limits must be >= 1 byte")
+        if self.max_frame_bytes < max(self.max_start_bytes, self.max_interaction_bytes):
+            raise ValueError(f"gateway.max_frame_bytes={self.max_frame_bytes}: must be >= max_start_bytes "
+                             f"({self.max_start_bytes}) and max_interaction_bytes ({self.max_interaction_bytes})")
+
+
+def _pairs(value: Any) -> tuple:
+    """`value` as a tuple of entries (a YAML list of lists becomes a tuple); anything else is an error."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"gateway.allowed_canvases={value!r}: must be a list of [width, height] pairs")
+    return tuple(value)
+
+
+def _canvas(name: str, value: Any) -> tuple[int, int]:
+    """One (width, height) of positive even ints, as a tuple; `name` and the value are in the error."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2 \
+            or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % 2 for v in value):
+        raise ValueError(f"{name} {value!r}: must be a [width, height] pair of positive even ints, e.g. [864, 480]")
+    return (value[0], value[1])
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     model: ModelConfig
@@ -267,8 +372,8 @@ class Profile:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     dit: DiTConfig = field(default_factory=DiTConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
-    gateway: dict[str, Any] = field(default_factory=dict)
-    """Raw gateway section; the gateway turns it into its own GatewayConfig."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The gateway's section, with the canvases the DiT and the VAE also read."""
     path: str = ""
     """The YAML file this profile came from."""
 
@@ -349,6 +454,6 @@ def load_profile(path: str | pathlib.Path, overrides: dict[str, dict[str, Any]] 
         encoder=section(EncoderConfig, raw.get("encoder"), "encoder"),
         dit=section(DiTConfig, raw.get("dit"), "dit"),
         vae=section(VAEConfig, raw.get("vae"), "vae"),
-        gateway=dict(raw.get("gateway") or {}),
+        gateway=section(GatewayConfig, raw.get("gateway"), "gateway"),
         path=str(path.resolve()),
     )

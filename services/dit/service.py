@@ -27,7 +27,6 @@ from services.dit.model.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
 from services.dit.stream.runtime import DiTRuntime, block_graph_shapes
 from services.dit.stream.schedule import AUDIO_SIGMAS, TEACHER_SIGMAS, TEACHER_TEXT_SIGMAS, VIDEO_SIGMAS, model_t
-from services.gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +95,7 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
 
 def profile_canvases(profile: Profile) -> list[Canvas]:
     """The canvases the profile's gateway admits whose short edge the DiT serves."""
-    sizes = profile.gateway.get("allowed_canvases", GatewayConfig.allowed_canvases)
-    return [Canvas(w, h) for w, h in sizes if min(w, h) in profile.dit.canvas_short_edges]
+    return [Canvas(w, h) for w, h in profile.gateway.allowed_canvases if min(w, h) in profile.dit.canvas_short_edges]
 
 
 def compile_block_regions(model: DiT, adapter: LoRAAdapter) -> None:

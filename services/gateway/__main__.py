@@ -7,23 +7,10 @@ import signal
 
 from aiohttp import web
 
-from services.common.config import Endpoints, load_profile, section
+from services.common.config import Endpoints, GatewayConfig, load_profile
 from services.common.logging_setup import configure_logging
-from services.gateway.config import GatewayConfig
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.ws import create_app
-
-_TUPLE_FIELDS = ("allowed_canvases", "default_canvas")
-
-
-def gateway_config(raw: dict) -> GatewayConfig:
-    """The profile's gateway section as a GatewayConfig (YAML lists become tuples)."""
-    values = dict(raw)
-    if "allowed_canvases" in values:
-        values["allowed_canvases"] = tuple(tuple(c) for c in values["allowed_canvases"])
-    if "default_canvas" in values:
-        values["default_canvas"] = tuple(values["default_canvas"])
-    return section(GatewayConfig, values, "gateway")
 
 
 async def run(config: GatewayConfig, endpoints: Endpoints) -> None:
@@ -51,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     configure_logging("gateway")
     profile = load_profile(args.profile)
-    config = gateway_config(profile.gateway)
+    config = profile.gateway
     if args.port is not None:
         config = dataclasses.replace(config, port=args.port)
     asyncio.run(run(config, profile.endpoints))

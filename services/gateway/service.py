@@ -27,7 +27,7 @@ from typing import Protocol
 
 from services.common.logging_setup import log_context
 from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PHASES_PER_REQUEST
-from services.gateway.config import GatewayConfig
+from services.common.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import (
     MediaChunk,

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from services.gateway.config import GatewayConfig
+from services.common.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.protocol import (

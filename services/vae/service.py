@@ -23,7 +23,6 @@ from services.common.errors import InvalidInput, NotReady, SequenceMismatch
 from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.vae.checkpoint import load_audio_vae, load_video_vae
-from services.gateway.config import GatewayConfig
 from services.vae.incremental import (IncrementalAudioDecoder, IncrementalVideoDecoder, audio_graph_lengths,
                                       warm_up_video)
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, on_device
@@ -303,7 +302,7 @@ class VAEService(Stage):
         shape of the gateway's allowed canvases first."""
         if self.profile.vae.compile_blocks:
             started = time.perf_counter()
-            canvases = self.profile.gateway.get("allowed_canvases", GatewayConfig.allowed_canvases)
+            canvases = self.profile.gateway.allowed_canvases
             for width, height in canvases:
                 warm_up_video(self.video, width, height)
             log.info("video decoder compiled for %s in %.1f s", [f"{w}x{h}" for w, h in canvases],

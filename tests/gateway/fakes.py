@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from services.common.media import AUDIO_SAMPLE_RATE as SAMPLE_RATE
-from services.gateway.config import GatewayConfig
+from services.common.config import GatewayConfig
 from services.gateway.pipeline import (
     InvalidRequest,
     MediaChunk,

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from services.gateway.config import GatewayConfig
+from services.common.config import GatewayConfig
 from services.gateway.protocol import (
     ChunkMetadata,
     ErrorCode,
