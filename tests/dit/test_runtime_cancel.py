@@ -10,24 +10,21 @@ import pytest
 import torch
 
 from services.common.errors import NoCapacity
-from services.dit.api import InvalidCanvas, PromptUpdate, RuntimeConfig, SessionCancelled, SessionClosed, SessionConfig
+from services.dit.api import InvalidCanvas, PromptUpdate, SessionCancelled, SessionClosed, SessionConfig
 from services.dit.group.control import CancelSession
 from services.dit.group.orchestration import GroupSession
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, build_random
 from services.dit.stream import runtime as runtime_module
 from services.dit.stream.runtime import DiTRuntime
+from tests.dit.factories import TINY, tiny_runtime
 
 pytestmark = pytest.mark.cpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 CONFIG = SessionConfig(seed=5, width=96, height=64)
 
 
 def make_runtime(adapter_dir) -> DiTRuntime:
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
-    return DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16),
-                      LoRAAdapter.load(model, adapter_dir))
+    return tiny_runtime(adapter_dir)
 
 
 def prompt() -> PromptUpdate:
@@ -46,10 +43,6 @@ def hook_forward(model, hook):
     model.forward = wrapped
     return calls
 
-
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory):
-    return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
 
 
 def test_cancel_mid_phase_releases_kv_and_session(adapter_dir):
