@@ -18,6 +18,7 @@ def run(code: str) -> str:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_cudnn_goes_first_for_the_whole_process_and_default_changes_nothing():
     out = run(ORDER + """
 import json, threading
@@ -128,6 +129,7 @@ def _needs_cuda_and_fa4():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_fa4_without_its_package_is_refused_naming_the_package_and_the_way_out():
     if _fa4_importable():
         pytest.skip("FlashAttention 4 is installed here")

@@ -102,6 +102,7 @@ def test_shapes_of_one_row_count_share_their_buffers_but_the_tables():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_session_replays_every_text_free_forward():
     canvas = Canvas(96, 64)
     runs = []
@@ -133,6 +134,7 @@ def test_a_session_replays_every_text_free_forward():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_with_text_buckets_a_session_replays_every_forward():
     canvas, buckets = Canvas(96, 64), (64,)
     runs, counts = [], []

@@ -71,9 +71,10 @@ def compiled_regions(monkeypatch):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_compiled_regions_equal_eager_with_one_graph_per_region_kind(tmp_path, compiled_regions):
-    adapter_dir = tiny_adapter(tmp_path / "lora")
-    model = tiny_model()
+    adapter_dir = tiny_adapter(tmp_path / "lora", args=ARGS)
+    model = tiny_model(args=ARGS)
     adapter = LoRAAdapter.load(model, adapter_dir)
     quantize_linears(model, ignore=["blocks.0.*", "blocks.5.*"])  # FP8 (reference GEMM) and BF16-kind blocks
     for layer in model.modules():
@@ -101,10 +102,11 @@ def test_compiled_regions_equal_eager_with_one_graph_per_region_kind(tmp_path, c
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_fp8_error_report_sees_every_layer_of_compiled_regions(compiled_regions):
     """Forward hooks added after a region's compile do not fire inside it: the report's forwards run eagerly. The
     regions are compiled and run once before the report, as on CUDA after start-up."""
-    model = tiny_model()
+    model = tiny_model(args=ARGS)
     _forward(model)  # compiles the regions, no hooks yet
     rep = fp8_error_report(model, _forward, ignore=[])
     assert len(rep.layers) == 4 * ARGS.num_layers
@@ -112,6 +114,7 @@ def test_fp8_error_report_sees_every_layer_of_compiled_regions(compiled_regions)
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_start_up_compiles_every_region_the_session_uses(compiled_regions):
     """After `compile_block_regions` a session phase (students, teacher, commit; FP8, AdaLN cache) compiles nothing."""
     profile = Profile(name="t", model=ModelConfig(preset="tiny", dir="", random_weights_on_device=True),
@@ -136,7 +139,7 @@ def test_cpu_runs_the_plain_regions():
     """Off CUDA the regions are the plain functions: nothing is compiled on the CPU service path."""
     torch._dynamo.reset()
     counters.clear()
-    _forward(tiny_model())
+    _forward(tiny_model(args=ARGS))
     assert counters["stats"]["unique_graphs"] == 0
 
 
@@ -155,7 +158,7 @@ def test_rope_leaves_the_unrotated_channels_alone():
 def test_cuda_forward_compiled_equals_eager_in_bf16():
     """On CUDA the model compiles its regions itself; the result matches the plain regions within BF16 rounding."""
     torch._dynamo.reset()
-    model = tiny_model("cuda", torch.bfloat16)
+    model = tiny_model("cuda", torch.bfloat16, args=ARGS)
     compiled = _forward(model)
     with plain_regions():
         eager = _forward(model)

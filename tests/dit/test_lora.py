@@ -130,6 +130,7 @@ def test_merged_fp8_student_and_teacher_match_the_side_branch_within_fp8(adapter
         assert relative_error(merged_teacher[i], teacher[i]) < 0.25 * lora_effect
 
 
+@pytest.mark.slow
 def test_teacher_output_equals_base_model(adapter_dir):
     canvas = check_canvas(96, 64, (64,))
     text = torch.randn(4, ARGS.text_dim, generator=torch.Generator().manual_seed(2))

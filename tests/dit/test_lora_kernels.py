@@ -75,6 +75,7 @@ def kernel_errors(device: str, dtype: torch.dtype) -> dict[str, float]:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_kernels_equal_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = ("import sys, torch; sys.path.insert(0, 'tests/dit'); import test_lora_kernels as t\n"

@@ -143,6 +143,7 @@ def test_fault_mid_commit_leaves_kv_exactly_as_before(adapter_dir):
     assert rt.active_session is None
 
 
+@pytest.mark.slow
 def test_a_phase_that_fails_after_its_students_changes_no_state(adapter_dir, monkeypatch):
     # the output's device copies come after the students: a failure there (out of memory) leaves the phase to a
     # retry, which must find the session as before it: no pending commit of the lost phase, the same reference

@@ -45,6 +45,7 @@ def first_run(adapter_dir):
     return run(adapter_dir, teacher_log=log), log
 
 
+@pytest.mark.slow
 def test_same_seed_and_script_is_bitwise_identical(adapter_dir, first_run):
     a, _ = first_run
     b = run(adapter_dir)

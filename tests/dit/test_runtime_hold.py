@@ -100,6 +100,7 @@ def test_held_session_answers_cancel_within_one_poll_without_forwards(tmp_path):
     assert session.kv is None and rt.active_session is None and forwards == [False]
 
 
+@pytest.mark.slow
 def test_finite_hold_in_a_session_uses_the_fallback(tmp_path):
     model = tiny_model()
     rt = tiny_runtime(model=model)

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.cpu
 ARGS = TINY
 
 
+@pytest.mark.slow
 def test_session_kv_rows_follow_retention_and_audio_reset():
     model = tiny_model()
     # audio reset every request so that the drop shows up after 5 phases (the default is 12)

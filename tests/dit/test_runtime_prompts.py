@@ -34,6 +34,7 @@ def run(adapter_dir, updates=()):
 
 
 
+@pytest.mark.slow
 def test_update_takes_effect_at_next_request_and_is_acked(adapter_dir):
     base = run(adapter_dir)
     # two updates during request 0: "u0" is superseded by "u1" (a longer prompt) before the boundary

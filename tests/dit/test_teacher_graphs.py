@@ -66,6 +66,7 @@ def test_teacher_document_is_the_base_models_audio_only_layout_wherever_the_requ
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("k, prompt_len", [(0, 5), (1, 8), (2, 11)])
+@pytest.mark.slow
 def test_padded_teacher_equals_the_unpadded_prompt_and_never_misses(k, prompt_len):
     model = tiny_model()
     ref = run(AudioTeacher(model, None), k, prompt_len)
@@ -107,6 +108,7 @@ def test_text_valid_is_checked():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_prompt_longer_than_the_largest_bucket_is_named():
     model = tiny_model()
     teacher = AudioTeacher(model, None)

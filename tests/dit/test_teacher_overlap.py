@@ -68,6 +68,7 @@ def test_a_teacher_run_hands_out_each_state_when_it_is_published():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_failed_teacher_is_started_again_with_the_same_prompt(adapter_dir):
     _, ref, _ = session_outputs(adapter_dir, "cpu", torch.float32, overlap=False)
     rt, got, failures = session_outputs(adapter_dir, "cpu", torch.float32, overlap=True, fail_first_teacher=True)

@@ -40,6 +40,7 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_sharded_teacher_equals_one_rank(tmp_path):
     model = tiny_model()
     ref = [run(AudioTeacher(model, None), k, n) for k, n in REQUESTS]

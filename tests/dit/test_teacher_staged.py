@@ -76,6 +76,7 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str, deep: bool) -> No
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("world, deep", [(2, False), (4, True)], ids=["2_ranks", "4_ranks_uneven"])
+@pytest.mark.slow
 def test_staged_teacher_equals_the_whole_teacher_on_every_rank(tmp_path, world, deep):
     args = DEEP if deep else ARGS
     model = tiny_model(args=args)
@@ -158,6 +159,7 @@ def _build_with_a_failing_stage(profile, device):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_failing_stage_fails_the_group_promptly():
     from services.dit.api import PromptUpdate, SessionConfig
     from services.dit.group.orchestration import DiTGroup, GroupFailed

@@ -139,6 +139,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 90) -> None:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_full_attention_forward_usp2_usp4_match_one_rank(tmp_path):
     model = tiny_model()
     video, audio, text, layout = forward_inputs()
@@ -186,6 +187,7 @@ def run_or_raise(fn):
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("staged", [False, True], ids=["teacher_whole", "teacher_staged"])
+@pytest.mark.slow
 def test_usp2_streaming_session_matches_one_rank(staged):
     gen = torch.Generator().manual_seed(11)
     prompts = [PromptUpdate(torch.randn(6, ARGS.text_dim, generator=gen), "e0"),
@@ -243,6 +245,7 @@ def test_usp2_streaming_session_matches_one_rank(staged):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_group_hold_ends_when_no_prompt_can_come_and_a_late_prompt_beats_the_fallback():
     gen = torch.Generator().manual_seed(3)
     first, late, fallback = (PromptUpdate(torch.randn(5, ARGS.text_dim, generator=gen), e)
@@ -274,6 +277,7 @@ def test_group_hold_ends_when_no_prompt_can_come_and_a_late_prompt_beats_the_fal
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_group_runs_a_tool_on_every_rank_between_sessions():
     from services.common.errors import NoCapacity
     from tools.dit.probe import group_forward_seconds, phase_inputs, time_forward
@@ -317,6 +321,7 @@ def phases_in_thread(session) -> tuple[threading.Thread, list[BaseException]]:
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("busy", ["mid-phase", "idle", "holding"])
+@pytest.mark.slow
 def test_killed_rank_fails_the_group_within_bounded_time(busy):
     failures: list[str] = []
     group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=15, heartbeat_s=2))
@@ -354,6 +359,7 @@ def test_killed_rank_fails_the_group_within_bounded_time(busy):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_ranks_that_finish_loading_later_than_the_collective_timeout_still_join(monkeypatch):
     # ranks load and compile at their own pace (4 ranks reading a 33B checkpoint from one disk); only once all have
     # arrived do collectives run under the group's timeout, here 3 s against a rank 6 s late
@@ -371,6 +377,7 @@ def test_ranks_that_finish_loading_later_than_the_collective_timeout_still_join(
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_rank_that_fails_to_load_fails_the_start_at_once(monkeypatch):
     monkeypatch.setenv("VITASCOPE_TEST_WORKER", "broken")
     started = time.monotonic()
