@@ -95,6 +95,7 @@ def test_bad_shares_are_named(make, field, bad):
         make(**{field: bad})
 
 
+@pytest.mark.e2e
 def test_a_stage_whose_gpus_are_missing_exits_before_loading():
     """`python -m services.encoder` with the usp2 profile on this machine (no GPU): a clear refusal, at once."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

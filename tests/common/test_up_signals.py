@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Runs services.up.main() with the stage commands replaced by sleepers that never become healthy.

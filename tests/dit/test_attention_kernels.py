@@ -18,6 +18,7 @@ def run(code: str) -> str:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_cudnn_goes_first_for_the_whole_process_and_default_changes_nothing():
     out = run(ORDER + """
 import json, threading
@@ -128,6 +129,7 @@ def _needs_cuda_and_fa4():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_fa4_without_its_package_is_refused_naming_the_package_and_the_way_out():
     if _fa4_importable():
         pytest.skip("FlashAttention 4 is installed here")
@@ -248,10 +250,9 @@ def test_a_streaming_session_with_fa4_is_within_bf16_of_cudnn(tmp_path):
     """The whole runtime (teacher, students, commits over the growing KV cache) with `fa4` against `cudnn`: the
     same latents within BF16 rounding, and FlashAttention 4 ran in it."""
     torch = _needs_cuda_and_fa4()
-    from services.dit.model.lora import write_random_adapter
-    from services.dit.model.network import PRESETS
+    from tests.dit.factories import tiny_adapter
 
-    adapter_dir = write_random_adapter(PRESETS["tiny"], tmp_path / "adapter", seed=1)
+    adapter_dir = tiny_adapter(tmp_path / "adapter")
     results = {}
     for kernels in ("cudnn", "fa4"):
         done = subprocess.run([sys.executable, "-c", SESSION, kernels, str(adapter_dir), str(tmp_path / kernels)],

@@ -11,15 +11,16 @@ from services.dit.model.block_graphs import BlockGraphs
 from services.dit.stream.geometry import Canvas
 from services.dit.model.layout import pack_layout
 from services.dit.model.lora import LoRAAdapter, random_adapter_spec
-from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.network import FullAttention
 from services.dit.stream.runtime import DiTRuntime, block_graph_shapes, text_free_block_shapes
+from tests.dit.factories import TINY, tiny_model
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 PIECES = ARGS.num_layers + 1
 
 
 def model_and_adapter(device: str, dtype: torch.dtype):
-    model = build_random(ARGS, device, dtype, seed=0)
+    model = tiny_model(device, dtype)
     return model, LoRAAdapter(model, random_adapter_spec(ARGS, device, seed=1), dtype)
 
 
@@ -101,6 +102,7 @@ def test_shapes_of_one_row_count_share_their_buffers_but_the_tables():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_session_replays_every_text_free_forward():
     canvas = Canvas(96, 64)
     runs = []
@@ -132,6 +134,7 @@ def test_a_session_replays_every_text_free_forward():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_with_text_buckets_a_session_replays_every_forward():
     canvas, buckets = Canvas(96, 64), (64,)
     runs, counts = [], []

@@ -12,12 +12,12 @@ from services.dit.model.checkpoint import (INDEX_NAME, CheckpointConfigError, Ch
                                      TruncatedShardError, args_from_config, expected_tensors, key_maps, load_dit,
                                      validate_checkpoint, write_random_checkpoint)
 from services.dit.model.network import PRESETS, meta_model
+from tests.dit.factories import TINY
 
 pytestmark = pytest.mark.cpu
 
 REF = Path(__file__).resolve().parents[3] / "shared/reference/checkpoints/MiniMax-H3"
 REAL = {"original": REF / "FL2VA/transformer", "diffusers": REF / "transformer"}
-TINY = PRESETS["tiny"]
 needs_ref = pytest.mark.skipif(not REF.is_dir(), reason="reference checkpoint JSONs not present")
 
 

@@ -18,11 +18,12 @@ from services.dit.api import PromptUpdate, SessionConfig
 from services.dit.model import network as dit_model
 from services.dit.model.fp8 import FP8Linear, fp8_error_report, quantize_linears, relative_error
 from services.dit.model.layout import pack_layout
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.lora import LoRAAdapter
+from services.dit.model.network import PRESETS, FullAttention
 from services.dit.service import build_runtime, compile_block_regions
+from tests.dit.factories import TINY, tiny_adapter, tiny_model
 
-ARGS = dataclasses.replace(PRESETS["tiny"], num_layers=6)
+ARGS = dataclasses.replace(TINY, num_layers=6)
 
 
 def _forward(model, tv=12, a=6, tt=5, seed=5):
@@ -70,9 +71,10 @@ def compiled_regions(monkeypatch):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_compiled_regions_equal_eager_with_one_graph_per_region_kind(tmp_path, compiled_regions):
-    adapter_dir = write_random_adapter(ARGS, tmp_path / "lora", seed=1)
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    adapter_dir = tiny_adapter(tmp_path / "lora", args=ARGS)
+    model = tiny_model(args=ARGS)
     adapter = LoRAAdapter.load(model, adapter_dir)
     quantize_linears(model, ignore=["blocks.0.*", "blocks.5.*"])  # FP8 (reference GEMM) and BF16-kind blocks
     for layer in model.modules():
@@ -100,10 +102,11 @@ def test_compiled_regions_equal_eager_with_one_graph_per_region_kind(tmp_path, c
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_fp8_error_report_sees_every_layer_of_compiled_regions(compiled_regions):
     """Forward hooks added after a region's compile do not fire inside it: the report's forwards run eagerly. The
     regions are compiled and run once before the report, as on CUDA after start-up."""
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model(args=ARGS)
     _forward(model)  # compiles the regions, no hooks yet
     rep = fp8_error_report(model, _forward, ignore=[])
     assert len(rep.layers) == 4 * ARGS.num_layers
@@ -111,6 +114,7 @@ def test_fp8_error_report_sees_every_layer_of_compiled_regions(compiled_regions)
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_start_up_compiles_every_region_the_session_uses(compiled_regions):
     """After `compile_block_regions` a session phase (students, teacher, commit; FP8, AdaLN cache) compiles nothing."""
     profile = Profile(name="t", model=ModelConfig(preset="tiny", dir="", random_weights_on_device=True),
@@ -135,7 +139,7 @@ def test_cpu_runs_the_plain_regions():
     """Off CUDA the regions are the plain functions: nothing is compiled on the CPU service path."""
     torch._dynamo.reset()
     counters.clear()
-    _forward(build_random(ARGS, "cpu", torch.float32, seed=0))
+    _forward(tiny_model(args=ARGS))
     assert counters["stats"]["unique_graphs"] == 0
 
 
@@ -154,7 +158,7 @@ def test_rope_leaves_the_unrotated_channels_alone():
 def test_cuda_forward_compiled_equals_eager_in_bf16():
     """On CUDA the model compiles its regions itself; the result matches the plain regions within BF16 rounding."""
     torch._dynamo.reset()
-    model = build_random(ARGS, "cuda", torch.bfloat16, seed=0)
+    model = tiny_model("cuda", torch.bfloat16, args=ARGS)
     compiled = _forward(model)
     with plain_regions():
         eager = _forward(model)

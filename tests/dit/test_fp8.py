@@ -7,10 +7,11 @@ from torch import nn
 from services.dit.model.fp8 import (FP8_DTYPE, FP8Linear, Fp8Error, default_ignore, fp8_error_report, quantize_linears,
                               quantize_rows, relative_error)
 from services.dit.model.layout import pack_layout
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.lora import LoRAAdapter
+from services.dit.model.network import FullAttention
+from tests.dit.factories import TINY, tiny_adapter, tiny_model
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 
 
 def forward(model, dtype=torch.float32):
@@ -102,7 +103,7 @@ def test_default_ignore_keeps_boundary_blocks():
 
 @pytest.mark.cpu
 def test_quantize_selects_block_linears_only():
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     report = quantize_linears(model, ignore=["blocks.1.mlp.*"])
     assert report.quantized == ["blocks.0.attn.qkv_proj", "blocks.0.attn.out_proj", "blocks.0.mlp.fc1",
                                 "blocks.0.mlp.fc2", "blocks.1.attn.qkv_proj", "blocks.1.attn.out_proj"]
@@ -114,14 +115,14 @@ def test_quantize_selects_block_linears_only():
     with pytest.raises(Fp8Error, match="already FP8"):
         quantize_linears(model, ignore=["blocks.1.mlp.*"])
     with pytest.raises(Fp8Error, match="pattern"):
-        quantize_linears(build_random(ARGS, "cpu", torch.float32, seed=0), ignore=[""])
+        quantize_linears(tiny_model(), ignore=[""])
     # default ignore on a 2-block model keeps everything
-    assert quantize_linears(build_random(ARGS, "cpu", torch.float32, seed=0)).quantized == []
+    assert quantize_linears(tiny_model()).quantized == []
 
 
 @pytest.mark.cpu
 def test_error_report_on_tiny_forward():
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     rep = fp8_error_report(model, forward, ignore=[])
     assert set(rep.layers) == set(rep.quantize.quantized) and len(rep.layers) == 8
     assert all(0.0 < e < 0.08 for e in rep.layers.values())
@@ -132,14 +133,14 @@ def test_error_report_on_tiny_forward():
 
 @pytest.mark.cpu
 def test_lora_then_fp8_student_and_teacher(tmp_path):
-    adapter_dir = write_random_adapter(ARGS, tmp_path / "lora", seed=1)
-    ref = build_random(ARGS, "cpu", torch.float32, seed=0)
+    adapter_dir = tiny_adapter(tmp_path / "lora")
+    ref = tiny_model()
     ref_adapter = LoRAAdapter.load(ref, adapter_dir)
     student_ref = forward(ref)
     with ref_adapter.suspended():
         teacher_ref = forward(ref)
 
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     adapter = LoRAAdapter.load(model, adapter_dir)
     report = quantize_linears(model, ignore=[])
     assert len(report.quantized) == 8
@@ -158,8 +159,8 @@ def test_lora_then_fp8_student_and_teacher(tmp_path):
 
 @pytest.mark.cpu
 def test_fp8_before_lora_is_refused_by_peft(tmp_path):
-    adapter_dir = write_random_adapter(ARGS, tmp_path / "lora", seed=1)
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    adapter_dir = tiny_adapter(tmp_path / "lora")
+    model = tiny_model()
     quantize_linears(model, ignore=[])
     with pytest.raises(Exception, match="(?i)not supported|FP8Linear"):
         LoRAAdapter.load(model, adapter_dir)
@@ -187,6 +188,6 @@ def test_scaled_mm_matches_reference_path():
 
 @pytest.mark.gpu
 def test_tiny_model_fp8_forward_on_gpu():
-    model = build_random(ARGS, "cuda", torch.bfloat16, seed=0)
+    model = tiny_model("cuda", torch.bfloat16)
     rep = fp8_error_report(model, lambda m: forward(m, torch.bfloat16), ignore=[])
     assert len(rep.layers) == 8 and rep.forward < 0.1

@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from services.tensors.transport import tensor_to_parts
-from services.dit.api import HoldConfig, RuntimeConfig
+from services.dit.api import HoldConfig
 from services.dit.grpc_server import DiTServicer
-from services.dit.model.network import PRESETS, build_random
-from services.dit.stream.runtime import DiTRuntime
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
+from tests.dit.factories import TINY, tiny_model, tiny_runtime
 
 pytestmark = pytest.mark.cpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 PHASES_PER_REQUEST = 4
 
 
@@ -24,8 +23,8 @@ class TinyDiT:
     """What the servicer asks of the DiT service, over the real tiny runtime."""
 
     def __init__(self) -> None:
-        model = build_random(ARGS, "cpu", torch.float32, seed=0)
-        self.runtime = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16))
+        model = tiny_model()
+        self.runtime = tiny_runtime(model=model)
 
     def hold_config(self, enabled: bool, max_seconds: float) -> HoldConfig:
         return HoldConfig(enabled=enabled, max_seconds=max_seconds or None, poll_seconds=0.02)

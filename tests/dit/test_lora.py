@@ -10,20 +10,17 @@ from services.dit.api import LoRAError
 from services.dit.model.fp8 import quantize_linears, relative_error
 from services.dit.stream.geometry import check_canvas, plan_request
 from services.dit.model.layout import pack_layout
-from services.dit.model.lora import LoRAAdapter, load_adapter, lora_targets, write_random_adapter
-from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.lora import LoRAAdapter, load_adapter, lora_targets
+from services.dit.model.network import PRESETS, FullAttention
 from services.dit.stream.session import CancelToken
 from services.dit.stream.teacher import AudioTeacher
 from services.dit.stream.timeline import Timeline
+from tests.dit.factories import TINY, tiny_model
 
 pytestmark = pytest.mark.cpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 
-
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory):
-    return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
 
 
 def forward(model):
@@ -51,9 +48,9 @@ def test_full_preset_has_208_targets():
 
 
 def test_suspension_nested_and_exceptional_restores_student_bitwise(adapter_dir):
-    base = build_random(ARGS, "cpu", torch.float32, seed=0)
+    base = tiny_model()
     base_out = forward(base)
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     weights = {n: (p.data_ptr(), p.clone()) for n, p in model.named_parameters()}
     adapter = LoRAAdapter.load(model, adapter_dir)
     student = forward(model)
@@ -82,7 +79,7 @@ def close(x, y, tol):
 
 
 def test_merged_lora_serves_the_student_and_the_teacher(adapter_dir):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     adapter = LoRAAdapter.load(model, adapter_dir)
     student = forward(model)
     with adapter.suspended():
@@ -104,7 +101,7 @@ def test_merged_lora_serves_the_student_and_the_teacher(adapter_dir):
 
 
 def test_merge_refuses_fp8_weights_and_suspension(adapter_dir):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     adapter = LoRAAdapter.load(model, adapter_dir)
     with adapter.suspended(), pytest.raises(LoRAError, match="inside suspended"):
         adapter.merge_into_base()
@@ -116,7 +113,7 @@ def test_merge_refuses_fp8_weights_and_suspension(adapter_dir):
 def test_merged_fp8_student_and_teacher_match_the_side_branch_within_fp8(adapter_dir):
     outputs = {}
     for merge in (False, True):
-        model = build_random(ARGS, "cpu", torch.float32, seed=0)
+        model = tiny_model()
         adapter = LoRAAdapter.load(model, adapter_dir)
         if merge:
             adapter.merge_into_base()
@@ -133,6 +130,7 @@ def test_merged_fp8_student_and_teacher_match_the_side_branch_within_fp8(adapter
         assert relative_error(merged_teacher[i], teacher[i]) < 0.25 * lora_effect
 
 
+@pytest.mark.slow
 def test_teacher_output_equals_base_model(adapter_dir):
     canvas = check_canvas(96, 64, (64,))
     text = torch.randn(4, ARGS.text_dim, generator=torch.Generator().manual_seed(2))
@@ -140,9 +138,9 @@ def test_teacher_output_equals_base_model(adapter_dir):
     noise = torch.randn(2, plan.num_audio_latents, 32, generator=torch.Generator().manual_seed(3))
     tail = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(4))
     tl = Timeline(canvas, origin=4)
-    base = build_random(ARGS, "cpu", torch.float32, seed=0)
+    base = tiny_model()
     ref = AudioTeacher(base, None).run(text, plan, tl, noise, tail, CancelToken())
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     adapter = LoRAAdapter.load(model, adapter_dir)
     got = AudioTeacher(model, adapter).run(text, plan, tl, noise, tail, CancelToken())
     assert len(got) == 3 and got[0].shape == (2, plan.num_audio_latents, 32)
@@ -204,7 +202,7 @@ def test_missing_files_and_bad_config(adapter_dir, tmp_path):
 
 def test_scale_alpha_over_rank_applied_once(adapter_dir, tmp_path):
     src = _corrupt(adapter_dir, tmp_path / "alpha24", config={"alpha": 24})  # rank 12: scale 2
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     adapter = LoRAAdapter.load(model, src)
     layer = model.blocks[1].mlp.fc1
     a, b = adapter.spec.factors["blocks.1.mlp.fc1"]

@@ -17,9 +17,10 @@ from services.dit.model import network as dit_model
 from services.dit.model.fp8 import relative_error
 from services.dit.model.fused import qk_norm_rope, swiglu
 from services.dit.model.layout import pack_layout
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.lora import LoRAAdapter
+from services.dit.model.network import FullAttention
 from services.dit.model.shard import pack_head_groups
+from tests.dit.factories import TINY, tiny_adapter, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [  # rows, heads, head size, RoPE channels, rank, head groups
@@ -74,6 +75,7 @@ def kernel_errors(device: str, dtype: torch.dtype) -> dict[str, float]:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_kernels_equal_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = ("import sys, torch; sys.path.insert(0, 'tests/dit'); import test_lora_kernels as t\n"
@@ -126,10 +128,10 @@ def test_blocks_with_the_kernels_equal_the_reference_blocks(tmp_path, monkeypatc
     """A tiny BF16 DiT on CUDA, student and teacher: the blocks' Triton path against their plain-torch path."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    args = dataclasses.replace(PRESETS["tiny"], num_layers=3)
-    model = build_random(args, "cuda", torch.bfloat16, seed=0)
+    args = dataclasses.replace(TINY, num_layers=3)
+    model = tiny_model("cuda", torch.bfloat16, args=args)
     # a branch scale of 50 (alpha / rank): the students' output moves ~30% from the teacher's, far above BF16 rounding
-    adapter = LoRAAdapter.load(model, write_random_adapter(args, tmp_path / "lora", seed=1, rank=12, alpha=600.0))
+    adapter = LoRAAdapter.load(model, tiny_adapter(tmp_path / "lora", args=args, rank=12, alpha=600.0))
     gen = torch.Generator().manual_seed(4)
     tt, a, tv = 9, 6, 40
     layout = pack_layout(text_len=tt, audio_len_per_channel=a, video_rows=tv,

@@ -6,11 +6,11 @@ import torch
 from services.dit.model.adaln_cache import AdaLNCacheError
 from services.dit.model.checkpoint import load_dit, write_random_checkpoint
 from services.dit.model.layout import PAD_MULTIPLE, TAG_AUDIO, TAG_PAD, TAG_TEXT, TAG_VIDEO, pack_layout
-from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.network import FullAttention
+from tests.dit.factories import TINY, tiny_model
 
 pytestmark = pytest.mark.cpu
 
-TINY = PRESETS["tiny"]
 TT, AL, TV = 9, 6, 32  # text rows, audio rows per channel, video rows: 9 + 12 + 32 = 53 real rows, 11 pad
 
 
@@ -120,7 +120,7 @@ def test_pack_layout_without_video_and_errors():
     lay = pack_layout(text_len=4, audio_len_per_channel=3, video_rows=0, positions_text=pos_t,
                       positions_audio=torch.zeros(6, 3), positions_video=torch.zeros(0, 3), video_t=0.5, audio_t=0.5)
     assert lay.video_len == 0 and lay.seq_len == 64 and lay.timestep_values == (0.5,)
-    model = build_random(TINY, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     with torch.no_grad():
         v, a = model(torch.zeros(0, 96), torch.randn(6, 32), torch.randn(4, TINY.text_dim), lay, FullAttention(lay))
     assert v.shape == (0, 96) and a.shape == (6, 32) and bool(torch.isfinite(a).all())
@@ -142,7 +142,7 @@ def test_pack_layout_without_video_and_errors():
 
 @torch.no_grad()
 def test_forward_rejects_bad_shapes_and_commit_mode_returns_none():
-    model = build_random(TINY, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     layout = _layout()
     video, audio, text = _inputs()
     with pytest.raises(ValueError, match="audio"):
@@ -159,7 +159,7 @@ def test_forward_rejects_bad_shapes_and_commit_mode_returns_none():
 
 @torch.no_grad()
 def test_padding_does_not_change_real_rows():
-    model = build_random(TINY, "cpu", torch.float32, seed=4)
+    model = tiny_model(seed=4)
     layout = _layout()
     video, audio, text = _inputs()
     v1, a1 = model(video, audio, text, layout, FullAttention(layout))
@@ -175,7 +175,7 @@ def test_padding_does_not_change_real_rows():
 
 @torch.no_grad()
 def test_adaln_cache_equivalence_and_report():
-    model = build_random(TINY, "cpu", torch.float32, seed=3)
+    model = tiny_model(seed=3)
     layout = _layout(video_t=0.25, audio_t=0.6)
     video, audio, text = _inputs()
     v_ref, a_ref = model(video, audio, text, layout, FullAttention(layout))

@@ -3,26 +3,22 @@
 import pytest
 import torch
 
-from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
+from services.dit.api import SessionConfig
 from services.dit.stream.geometry import check_canvas, plan_request
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, build_random
 from services.dit.stream.runtime import DiTRuntime, patchify, request_noise
+from tests.dit.factories import TINY, tiny_prompt, tiny_runtime
 
 pytestmark = pytest.mark.cpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 PHASES = 6  # request 0 and the first two phases of request 1 (teacher tail, audio continuity)
 
 
 def make_runtime(adapter_dir) -> DiTRuntime:
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
-    return DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16),
-                      LoRAAdapter.load(model, adapter_dir))
+    return tiny_runtime(adapter_dir)
 
 
-def prompt(seed: int, event_id: str, tokens: int = 6) -> PromptUpdate:
-    return PromptUpdate(torch.randn(tokens, ARGS.text_dim, generator=torch.Generator().manual_seed(seed)), event_id)
+prompt = tiny_prompt
 
 
 def run(adapter_dir, seed=7, phases=PHASES, teacher_log=None):
@@ -42,10 +38,6 @@ def run(adapter_dir, seed=7, phases=PHASES, teacher_log=None):
     return outs
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory):
-    return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
-
 
 @pytest.fixture(scope="module")
 def first_run(adapter_dir):
@@ -53,6 +45,7 @@ def first_run(adapter_dir):
     return run(adapter_dir, teacher_log=log), log
 
 
+@pytest.mark.slow
 def test_same_seed_and_script_is_bitwise_identical(adapter_dir, first_run):
     a, _ = first_run
     b = run(adapter_dir)

@@ -4,17 +4,17 @@ import pytest
 import torch
 
 from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, build_random
+from services.dit.model.lora import LoRAAdapter
 from services.dit.stream.runtime import DiTRuntime
+from tests.dit.factories import TINY, tiny_adapter, tiny_model
 
 pytestmark = pytest.mark.gpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 
 
 def run(adapter_dir, reuse_text_kv: bool = True, text_buckets: tuple[int, ...] = ()):
-    model = build_random(ARGS, "cuda", torch.bfloat16, seed=0)
+    model = tiny_model("cuda", torch.bfloat16)
     adapter = LoRAAdapter.load(model, adapter_dir)
     config = RuntimeConfig.for_preset("tiny", max_text_tokens=16, reuse_text_kv=reuse_text_kv,
                                       text_buckets=text_buckets)
@@ -31,7 +31,7 @@ def run(adapter_dir, reuse_text_kv: bool = True, text_buckets: tuple[int, ...] =
 
 
 def test_cuda_bf16_session_is_deterministic(tmp_path):
-    adapter_dir = write_random_adapter(ARGS, tmp_path, seed=1)
+    adapter_dir = tiny_adapter(tmp_path)
     a, b = run(adapter_dir), run(adapter_dir)
     for x, y in zip(a, b):
         assert x.video.shape[1:] == (24, 12, 16) and x.video.dtype == torch.float32
@@ -41,7 +41,7 @@ def test_cuda_bf16_session_is_deterministic(tmp_path):
 
 def test_cuda_reused_text_kv_within_bf16_of_running_the_text_rows(tmp_path):
     # the compiled block regions run with and without text rows; the text K/V come from a forward of other row count
-    adapter_dir = write_random_adapter(ARGS, tmp_path, seed=1)
+    adapter_dir = tiny_adapter(tmp_path)
     reused, recomputed = run(adapter_dir), run(adapter_dir, reuse_text_kv=False)
     for x, y in zip(reused, recomputed):
         assert torch.equal(x.audio, y.audio)  # the teacher's
@@ -50,7 +50,7 @@ def test_cuda_reused_text_kv_within_bf16_of_running_the_text_rows(tmp_path):
 
 def test_cuda_text_padded_to_a_bucket_within_bf16_of_the_exact_rows(tmp_path):
     # the usp2 profile's student and commit forwards run the text padded (RuntimeConfig.text_buckets)
-    adapter_dir = write_random_adapter(ARGS, tmp_path, seed=1)
+    adapter_dir = tiny_adapter(tmp_path)
     padded, exact = run(adapter_dir, text_buckets=(64,)), run(adapter_dir)
     for x, y in zip(padded, exact):
         assert torch.equal(x.audio, y.audio)  # the teacher's

@@ -7,15 +7,13 @@ import time
 import pytest
 import torch
 
-from services.dit.api import HoldConfig, PromptUpdate, RuntimeConfig, SessionCancelled, SessionConfig
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, build_random
-from services.dit.stream.runtime import DiTRuntime
+from services.dit.api import HoldConfig, PromptUpdate, SessionCancelled, SessionConfig
 from services.dit.stream.session import CancelToken, PromptBook
+from tests.dit.factories import TINY, tiny_adapter, tiny_model, tiny_runtime
 
 pytestmark = pytest.mark.cpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 
 
 def prompt(seed: int, event_id: str) -> PromptUpdate:
@@ -71,9 +69,8 @@ def test_an_infinite_hold_ends_once_no_prompt_can_come():
 
 
 def test_held_session_answers_cancel_within_one_poll_without_forwards(tmp_path):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
-    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16),
-                    LoRAAdapter.load(model, write_random_adapter(ARGS, tmp_path, seed=1)))
+    model = tiny_model()
+    rt = tiny_runtime(tiny_adapter(tmp_path), model=model)
     poll = 0.05
     hold = HoldConfig(enabled=True, max_seconds=None, poll_seconds=poll)
     session = rt.open_session(SessionConfig(seed=3, width=96, height=64, hold=hold), prompt(1, "e0"))
@@ -103,9 +100,10 @@ def test_held_session_answers_cancel_within_one_poll_without_forwards(tmp_path):
     assert session.kv is None and rt.active_session is None and forwards == [False]
 
 
+@pytest.mark.slow
 def test_finite_hold_in_a_session_uses_the_fallback(tmp_path):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
-    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16))
+    model = tiny_model()
+    rt = tiny_runtime(model=model)
     hold = HoldConfig(enabled=True, max_seconds=0.2, poll_seconds=0.05)
     session = rt.open_session(SessionConfig(seed=3, width=96, height=64, hold=hold), prompt(1, "e0"),
                               fallback=prompt(9, "fallback"))

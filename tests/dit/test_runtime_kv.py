@@ -3,21 +3,21 @@
 import pytest
 import torch
 
-from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
+from services.dit.api import PromptUpdate, SessionConfig
 from services.dit.stream.geometry import check_canvas, plan_request
 from services.dit.stream.kv_cache import kv_capacity
-from services.dit.model.network import PRESETS, build_random
-from services.dit.stream.runtime import DiTRuntime
+from tests.dit.factories import TINY, tiny_model, tiny_runtime
 
 pytestmark = pytest.mark.cpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 
 
+@pytest.mark.slow
 def test_session_kv_rows_follow_retention_and_audio_reset():
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     # audio reset every request so that the drop shows up after 5 phases (the default is 12)
-    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16, audio_reset_requests=1))
+    rt = tiny_runtime(model=model, audio_reset_requests=1)
     session = rt.open_session(SessionConfig(seed=2, width=96, height=64),
                               PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
     kv = session.kv

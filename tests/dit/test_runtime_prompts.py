@@ -3,25 +3,21 @@
 import pytest
 import torch
 
-from services.dit.api import InvalidPrompt, PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, build_random
+from services.dit.api import InvalidPrompt, PromptUpdate, SessionConfig
 from services.dit.stream.runtime import DiTRuntime
+from tests.dit.factories import TINY, tiny_prompt, tiny_runtime
 
 pytestmark = pytest.mark.cpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 PHASES = 6
 
 
 def make_runtime(adapter_dir) -> DiTRuntime:
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
-    return DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16),
-                      LoRAAdapter.load(model, adapter_dir))
+    return tiny_runtime(adapter_dir)
 
 
-def prompt(seed: int, event_id: str, tokens: int = 6) -> PromptUpdate:
-    return PromptUpdate(torch.randn(tokens, ARGS.text_dim, generator=torch.Generator().manual_seed(seed)), event_id)
+prompt = tiny_prompt
 
 
 def run(adapter_dir, updates=()):
@@ -37,11 +33,8 @@ def run(adapter_dir, updates=()):
     return outs
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory):
-    return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
 
-
+@pytest.mark.slow
 def test_update_takes_effect_at_next_request_and_is_acked(adapter_dir):
     base = run(adapter_dir)
     # two updates during request 0: "u0" is superseded by "u1" (a longer prompt) before the boundary

@@ -42,6 +42,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, shared_dir: str) -> No
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_what_one_rank_writes_every_rank_reads_and_no_file_is_left(tmp_path):
     shared = tmp_path / "shm"
     shared.mkdir()

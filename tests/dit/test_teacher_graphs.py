@@ -11,13 +11,14 @@ from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profil
 from services.dit.stream.geometry import TEACHER_TAIL_LATENTS, check_canvas, plan_request
 from services.tensors.cuda_graphs import GraphError, PromptBuckets
 from services.dit.model.layout import pack_layout
-from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.network import FullAttention
 from services.dit.stream.session import CancelToken
 from services.dit.stream.teacher import STEPS, AudioTeacher, request_audio_shapes
 from services.dit.stream.teacher import step_layout as teacher_step_layout
 from services.dit.stream.timeline import Timeline
+from tests.dit.factories import TINY, tiny_model
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 BUCKETS = PromptBuckets((8, 16))
 
 
@@ -50,7 +51,7 @@ def test_teacher_document_is_the_base_models_audio_only_layout_wherever_the_requ
     """As the official teacher: text at t = 0..L-1, and a later request's tail and noise placed as if the previous
     request's whole audio (207 latents after request 0, 198 after request 1) followed the text; not on the
     session's timeline, where the text ends against the request's media start."""
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     text, plan, noise, tail = request_inputs(k, 8)
     timeline = Timeline(check_canvas(96, 64, (64,)), origin=13)  # the session's first prompt had 13 tokens
     doc = AudioTeacher(model, None)._document(text, plan, timeline, noise, tail)
@@ -65,8 +66,9 @@ def test_teacher_document_is_the_base_models_audio_only_layout_wherever_the_requ
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("k, prompt_len", [(0, 5), (1, 8), (2, 11)])
+@pytest.mark.slow
 def test_padded_teacher_equals_the_unpadded_prompt_and_never_misses(k, prompt_len):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     ref = run(AudioTeacher(model, None), k, prompt_len)
     teacher = AudioTeacher(model, None)
     teacher.capture_graphs(BUCKETS, request_audio_shapes())
@@ -81,7 +83,7 @@ def test_padded_teacher_equals_the_unpadded_prompt_and_never_misses(k, prompt_le
 @pytest.mark.cpu
 def test_padding_rows_are_really_masked():
     # Garbage in the padding rows must not reach the real rows' output.
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     n, size = 5, 8
     text = torch.randn(n, ARGS.text_dim, generator=torch.Generator().manual_seed(1))
     layout = pack_layout(text_len=size, audio_len_per_channel=6, video_rows=0, positions_text=torch.zeros(size, 3),
@@ -106,8 +108,9 @@ def test_text_valid_is_checked():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_prompt_longer_than_the_largest_bucket_is_named():
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     teacher = AudioTeacher(model, None)
     teacher.capture_graphs(BUCKETS, request_audio_shapes()[:1])
     with pytest.raises(GraphError, match="prompt of 17 rows exceeds the largest bucket 16"):
@@ -117,7 +120,7 @@ def test_a_prompt_longer_than_the_largest_bucket_is_named():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_teacher_graph_replay_equals_eager_bitwise_on_gpu():
-    model = build_random(ARGS, "cuda", torch.bfloat16, seed=0)
+    model = tiny_model("cuda", torch.bfloat16)
     eager = AudioTeacher(model, None)
     eager.buckets = BUCKETS
     graphed = AudioTeacher(model, None)

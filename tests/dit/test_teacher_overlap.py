@@ -6,19 +6,17 @@ import torch
 
 from services.common.config import DiTConfig
 from services.tensors.cuda_graphs import PromptBuckets
-from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, build_random
-from services.dit.stream.runtime import DiTRuntime
+from services.dit.api import PromptUpdate, SessionConfig
 from services.dit.stream.teacher import STEPS, TeacherRun
+from tests.dit.factories import TINY, tiny_model, tiny_runtime
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 PHASES = 6  # request 0 (4 phases) and two phases of request 1: two teacher runs, the second with a tail
 
 
 def session_outputs(adapter_dir, device: str, dtype: torch.dtype, overlap: bool, fail_first_teacher: bool = False):
-    model = build_random(ARGS, device, dtype, seed=0)
-    rt = DiTRuntime(model, RuntimeConfig.for_preset("tiny", max_text_tokens=16), LoRAAdapter.load(model, adapter_dir))
+    model = tiny_model(device, dtype)
+    rt = tiny_runtime(adapter_dir, model=model)
     if device != "cpu":
         rt.teacher.capture_graphs(PromptBuckets((8, 16)))
     rt.teacher.overlap = overlap
@@ -43,11 +41,6 @@ def session_outputs(adapter_dir, device: str, dtype: torch.dtype, overlap: bool,
             assert str(exc) == "teacher step failed" and len(outs) == 0
     session.close()
     return rt, outs, failures
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory):
-    return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
 
 
 @pytest.mark.cpu
@@ -75,6 +68,7 @@ def test_a_teacher_run_hands_out_each_state_when_it_is_published():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_failed_teacher_is_started_again_with_the_same_prompt(adapter_dir):
     _, ref, _ = session_outputs(adapter_dir, "cpu", torch.float32, overlap=False)
     rt, got, failures = session_outputs(adapter_dir, "cpu", torch.float32, overlap=True, fail_first_teacher=True)

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from services.tensors.cuda_graphs import CudaGraphBank
 from services.dit.group import ulysses as sp
 from services.dit.group.launch import free_port
-from services.dit.model.network import build_random
 from services.dit.stream.teacher import STEPS, AudioTeacher
 from tests.dit.test_teacher_graphs import ARGS, BUCKETS, run
 from tests.dit.test_usp import nccl_ulysses_model, phases_in_thread, run_ranks
+from tests.dit.factories import tiny_model
 
 REQUESTS = ((0, 5), (1, 13), (2, 16))  # (request index, prompt length): no tail, then a tail; three buckets' worth
 
@@ -26,7 +26,7 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = build_random(ARGS, "cpu", torch.float32, seed=0)
+        model = tiny_model()
         calls = []
         real = sp.dist.all_to_all_single
         sp.dist.all_to_all_single = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
@@ -40,8 +40,9 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_sharded_teacher_equals_one_rank(tmp_path):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     ref = [run(AudioTeacher(model, None), k, n) for k, n in REQUESTS]
     run_ranks(_gloo_rank, 2, free_port("127.0.0.1"), str(tmp_path), timeout_s=180)
     for rank in (0, 1):
@@ -74,7 +75,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_sharded_teacher_graphs_replay_like_eager_on_two_gpus(tmp_path):
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
-    model = build_random(ARGS, "cuda:0", torch.bfloat16, seed=0)
+    model = tiny_model("cuda:0", torch.bfloat16)
     one_gpu = [[s.cpu() for s in run(AudioTeacher(model, None), k, n, "cuda:0", torch.bfloat16)]
                for k, n in REQUESTS]
     run_ranks(_nccl_rank, 2, free_port("127.0.0.1"), str(tmp_path), timeout_s=180)

@@ -16,13 +16,13 @@ import torch.distributed as dist
 from services.common.config import DiTConfig
 from services.dit.stream.geometry import check_canvas
 from services.dit.group.launch import free_port
-from services.dit.model.network import build_random
 from services.dit.stream.session import CancelToken
 from services.dit.stream.shared_host import SHARED_DIR
 from services.dit.stream.teacher import STEPS, AudioTeacher, TeacherStages
 from services.dit.stream.timeline import Timeline
 from tests.dit.test_teacher_graphs import ARGS, BUCKETS, request_inputs, run
 from tests.dit.test_usp import run_ranks
+from tests.dit.factories import tiny_model
 
 REQUESTS = ((0, 5), (1, 13), (2, 16))  # (request index, prompt length): no tail, then a tail; both buckets
 DEEP = dataclasses.replace(ARGS, num_layers=5)  # over 4 ranks: stages of 2, 1, 1 and 1 blocks
@@ -57,7 +57,7 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str, deep: bool) -> No
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         args = DEEP if deep else ARGS
-        model = build_random(args, "cpu", torch.float32, seed=0)
+        model = tiny_model(args=args)
         broadcasts = []
         real = dist.broadcast
         dist.broadcast = lambda t, **k: (broadcasts.append((k["group_src"], t.nbytes)), real(t, **k))[1]
@@ -76,9 +76,10 @@ def _gloo_rank(rank: int, world: int, port: int, out_dir: str, deep: bool) -> No
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("world, deep", [(2, False), (4, True)], ids=["2_ranks", "4_ranks_uneven"])
+@pytest.mark.slow
 def test_staged_teacher_equals_the_whole_teacher_on_every_rank(tmp_path, world, deep):
     args = DEEP if deep else ARGS
-    model = build_random(args, "cpu", torch.float32, seed=0)
+    model = tiny_model(args=args)
     whole = AudioTeacher(model, None)
     whole.capture_graphs(BUCKETS)
     ref = [run(whole, k, n) for k, n in REQUESTS]
@@ -104,7 +105,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device(dev))
     try:
-        model = build_random(ARGS, dev, torch.bfloat16, seed=0)
+        model = tiny_model(dev, torch.bfloat16)
         whole = AudioTeacher(model, None)
         whole.capture_graphs(BUCKETS)
         staged = AudioTeacher(model, None)
@@ -158,6 +159,7 @@ def _build_with_a_failing_stage(profile, device):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_failing_stage_fails_the_group_promptly():
     from services.dit.api import PromptUpdate, SessionConfig
     from services.dit.group.orchestration import DiTGroup, GroupFailed

@@ -12,14 +12,12 @@ from services.dit.api import PromptUpdate, RuntimeConfig, SessionConfig
 from services.dit.stream.attention import StreamingAttention
 from services.dit.stream.kv_cache import CleanAVKVCache
 from services.dit.model.layout import pack_layout
-from services.dit.model.lora import LoRAAdapter, write_random_adapter
-from services.dit.model.network import PRESETS, build_random
-from services.dit.stream.runtime import DiTRuntime
 from services.dit.stream.schedule import model_t
+from tests.dit.factories import TINY, tiny_model, tiny_runtime
 
 pytestmark = pytest.mark.cpu
 
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 PHASES = 6  # request 0 and two phases of request 1, which has a new prompt
 
 
@@ -27,15 +25,9 @@ def prompt(seed: int, event_id: str, tokens: int) -> PromptUpdate:
     return PromptUpdate(torch.randn(tokens, ARGS.text_dim, generator=torch.Generator().manual_seed(seed)), event_id)
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory):
-    return write_random_adapter(ARGS, tmp_path_factory.mktemp("lora"), seed=1)
-
-
 def open_session(adapter_dir, reuse: bool, forwards: list | None = None, buckets: tuple[int, ...] = ()):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
-    config = RuntimeConfig.for_preset("tiny", max_text_tokens=16, reuse_text_kv=reuse, text_buckets=buckets)
-    rt = DiTRuntime(model, config, LoRAAdapter.load(model, adapter_dir))
+    model = tiny_model()
+    rt = tiny_runtime(adapter_dir, model=model, reuse_text_kv=reuse, text_buckets=buckets)
     if forwards is not None:  # (text rows in the layout, text keys the media attend to) of every streaming forward
         def hook(module, args, kwargs):
             attention = args[4]

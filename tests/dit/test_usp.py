@@ -25,8 +25,9 @@ from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
 from services.dit.model.shard import pack_head_groups
 from services.dit.stream.runtime import DiTRuntime, block_graph_shapes
 from services.dit.group.ulysses import UlyssesAttend, heads_to_rows, install_ulysses, out_to_rows
+from tests.dit.factories import TINY, tiny_model
 
-ARGS = PRESETS["tiny"]  # 4 heads: N = 2 and N = 4 both divide
+ARGS = TINY  # 4 heads: N = 2 and N = 4 both divide
 TEXT_TOKENS = 16
 TEXT_BUCKETS = (8, TEXT_TOKENS)
 CANVAS = (64, 64)
@@ -83,7 +84,7 @@ def _forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in order
-        model = build_random(ARGS, "cpu", torch.float32, seed=0)
+        model = tiny_model()
         video, audio, text, layout = forward_inputs()
         full = FullAttention(layout)
         result = {}
@@ -138,8 +139,9 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 90) -> None:
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_full_attention_forward_usp2_usp4_match_one_rank(tmp_path):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     video, audio, text, layout = forward_inputs()
     with torch.no_grad():
         ref_v, ref_a = model(video, audio, text, layout, FullAttention(layout))
@@ -185,6 +187,7 @@ def run_or_raise(fn):
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("staged", [False, True], ids=["teacher_whole", "teacher_staged"])
+@pytest.mark.slow
 def test_usp2_streaming_session_matches_one_rank(staged):
     gen = torch.Generator().manual_seed(11)
     prompts = [PromptUpdate(torch.randn(6, ARGS.text_dim, generator=gen), "e0"),
@@ -242,6 +245,7 @@ def test_usp2_streaming_session_matches_one_rank(staged):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_group_hold_ends_when_no_prompt_can_come_and_a_late_prompt_beats_the_fallback():
     gen = torch.Generator().manual_seed(3)
     first, late, fallback = (PromptUpdate(torch.randn(5, ARGS.text_dim, generator=gen), e)
@@ -273,6 +277,7 @@ def test_group_hold_ends_when_no_prompt_can_come_and_a_late_prompt_beats_the_fal
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_group_runs_a_tool_on_every_rank_between_sessions():
     from services.common.errors import NoCapacity
     from tools.dit.probe import group_forward_seconds, phase_inputs, time_forward
@@ -293,7 +298,7 @@ def test_group_runs_a_tool_on_every_rank_between_sessions():
         assert group_forward_seconds(group, 64, 96, latents=1, runs=1) > 0
     finally:
         group.shutdown()
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     video, audio, text, layout = phase_inputs(model, 64, 96, latents=2)
     assert video.shape[0] == 2 * 2 * 3 and layout.seq_len % 64 == 0  # 2 latents of (64/32) x (96/32) rows
     with pytest.raises(ValueError, match="runs=0"):
@@ -316,6 +321,7 @@ def phases_in_thread(session) -> tuple[threading.Thread, list[BaseException]]:
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("busy", ["mid-phase", "idle", "holding"])
+@pytest.mark.slow
 def test_killed_rank_fails_the_group_within_bounded_time(busy):
     failures: list[str] = []
     group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=15, heartbeat_s=2))
@@ -353,6 +359,7 @@ def test_killed_rank_fails_the_group_within_bounded_time(busy):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_ranks_that_finish_loading_later_than_the_collective_timeout_still_join(monkeypatch):
     # ranks load and compile at their own pace (4 ranks reading a 33B checkpoint from one disk); only once all have
     # arrived do collectives run under the group's timeout, here 3 s against a rank 6 s late
@@ -370,6 +377,7 @@ def test_ranks_that_finish_loading_later_than_the_collective_timeout_still_join(
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_rank_that_fails_to_load_fails_the_start_at_once(monkeypatch):
     monkeypatch.setenv("VITASCOPE_TEST_WORKER", "broken")
     started = time.monotonic()
@@ -399,7 +407,7 @@ def nccl_ulysses_model(rank: int, world: int, port: int) -> Iterator[DiT]:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     try:
-        model = build_random(ARGS, f"cuda:{rank}", torch.bfloat16, seed=0)
+        model = tiny_model(f"cuda:{rank}", torch.bfloat16)
         install_ulysses(model, None, rank, world)
         yield model
     finally:
@@ -417,7 +425,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.mark.multi_gpu
 def test_usp2_nccl_forward_matches_one_gpu(tmp_path):
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
-    model = build_random(ARGS, "cuda:0", torch.bfloat16, seed=0)
+    model = tiny_model("cuda:0", torch.bfloat16)
     video, audio, text, layout = forward_inputs("cuda:0")
     with torch.no_grad():
         ref_v, ref_a = (t.cpu() for t in model(video, audio, text, layout, FullAttention(layout)))

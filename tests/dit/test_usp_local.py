@@ -8,11 +8,12 @@ import torch.distributed as dist
 
 from services.dit.group import ulysses as sp
 from services.dit.model.layout import pack_layout
-from services.dit.model.network import PRESETS, FullAttention, build_random
+from services.dit.model.network import FullAttention
 from services.dit.model.shard import NoShard
+from tests.dit.factories import TINY, tiny_model
 
 pytestmark = pytest.mark.cpu
-ARGS = PRESETS["tiny"]
+ARGS = TINY
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def _document():
 
 
 def test_local_forwards_issue_no_collective_and_equal_the_plain_model(one_rank_group, monkeypatch):
-    model = build_random(ARGS, "cpu", torch.float32, seed=0)
+    model = tiny_model()
     layout, inputs = _document()
     with torch.no_grad():
         plain = model(*inputs, layout, FullAttention(layout))

@@ -29,7 +29,7 @@ from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.pipeline import MediaChunk, SessionRequest
 from services.up import bring_up, stop_all
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SESSION_TIMEOUT_S = 300.0

@@ -27,7 +27,7 @@ import yaml
 from services.client import ClientOptions, stream
 from services.up import bring_up, stop_all
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FPS = 24

@@ -22,6 +22,8 @@ from tests.gateway.fakes import (
 pytestmark = pytest.mark.cpu
 
 START = {"type": "session.start", "prompt": "fine prompt"}
+HUGE_INT = "9" * 400  # valid JSON, a Python int, too large for a float
+TOO_LONG_INT = "1" * 5000  # valid JSON, above Python's int-string conversion limit
 
 
 async def assert_server_recovers(server, pipeline: FakePipeline | None = None) -> None:
@@ -297,3 +299,22 @@ async def test_too_many_pending_updates():
             await read_until(second, t2, until="session.done")
         assert error["code"] == "too_many_updates" and error["event_id"] == "u2"
         await assert_server_recovers(srv)
+
+
+@pytest.mark.parametrize("bad_frame", [
+    f'{{"type": "session.start", "prompt": "p", "guidance_scale": {HUGE_INT}}}',
+    f'{{"type": "session.ping", "n": {TOO_LONG_INT}}}',
+])
+async def test_unparsable_number_during_a_session_is_an_error_and_the_session_continues(bad_frame):
+    pipeline = FakePipeline(FakeBehaviour(num_chunks=6, chunk_delay_s=0.05))
+    async with running_gateway(small_config(max_interaction_bytes=64 * 1024), pipeline) as server:
+        t = Transcript()
+        async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server)) as ws:
+            await ws.send_json({"type": "session.start", "prompt": "fine prompt"})
+            await read_until(ws, t, until="video.chunk_metadata")
+            await ws.send_str(bad_frame)
+            error = await read_until(ws, t, until="error")
+            done = await read_until(ws, t, until="session.done")
+    assert error is not None and error["code"] in ("invalid_type", "invalid_value", "invalid_json",
+                                                   "session_already_started")
+    assert done is not None and done["stopped"] is False and done["chunks"] >= 6

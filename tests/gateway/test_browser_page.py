@@ -19,7 +19,7 @@ from tests.gateway.fakes import (
     ws_url,
 )
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
 CHROMIUM = os.environ.get("VITASCOPE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [

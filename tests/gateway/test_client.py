@@ -25,6 +25,7 @@ def decode_counts(path: Path) -> tuple[int, int, list[int]]:
     return len(frames), samples, [f.pts for f in frames]
 
 
+@pytest.mark.e2e
 async def test_cli_streams_sends_updates_and_writes_a_playable_mp4(tmp_path):
     pipeline = FakePipeline(FakeBehaviour(num_chunks=None, frames_per_chunk=6, chunk_delay_s=0.01))
     out = tmp_path / "out.mp4"

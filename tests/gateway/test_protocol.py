@@ -20,6 +20,10 @@ from services.gateway.protocol import (
 pytestmark = pytest.mark.cpu
 
 LIMITS = MessageLimits(max_start_bytes=2000, max_interaction_bytes=500, max_prompt_chars=100)
+# limits wide enough for the number literals below, which must fail as numbers, not as sizes
+WIDE_LIMITS = MessageLimits(max_start_bytes=1 << 20, max_interaction_bytes=1 << 16, max_prompt_chars=200)
+HUGE_INT = "9" * 400  # valid JSON, a Python int, too large for a float
+TOO_LONG_INT = "1" * 5000  # valid JSON, above Python's int-string conversion limit
 
 
 def parse(body) -> object:
@@ -123,3 +127,52 @@ def test_config_rejects_bad_values_by_name():
         GatewayConfig(queue_limit=-1)
     with pytest.raises(ValueError, match="max_frame_bytes"):
         GatewayConfig(max_frame_bytes=10)
+
+
+@pytest.mark.parametrize("field", ["guidance_scale"])
+def test_number_too_large_for_float_is_a_protocol_error(field):
+    text = f'{{"type": "session.start", "prompt": "p", "{field}": {HUGE_INT}}}'
+    with pytest.raises(ProtocolError) as info:
+        parse_client_text(text, WIDE_LIMITS)
+    assert info.value.code in (ErrorCode.INVALID_TYPE, ErrorCode.INVALID_VALUE)
+    assert field in info.value.message
+
+
+def test_hold_seconds_too_large_for_float_is_a_protocol_error():
+    text = (f'{{"type": "session.start", "prompt": "p", "extra_params": '
+            f'{{"hold_for_prompt": true, "hold_max_seconds": {HUGE_INT}}}}}')
+    with pytest.raises(ProtocolError) as info:
+        parse_client_text(text, WIDE_LIMITS)
+    assert "hold_max_seconds" in info.value.message
+
+
+def test_integer_literal_too_long_to_parse_is_invalid_json():
+    text = f'{{"type": "session.start", "prompt": "p", "seed": {TOO_LONG_INT}}}'
+    with pytest.raises(ProtocolError) as info:
+        parse_client_text(text, WIDE_LIMITS)
+    assert info.value.code == ErrorCode.INVALID_JSON
+
+
+@pytest.mark.parametrize("text", [
+    '{"type": "session.start", "prompt": "a \\ud800 lake"}',
+    '{"type": "session.start", "prompt": "ok", "extra_params": {"hold_for_prompt": true, '
+    '"hold_fallback_prompt": "x\\udfff"}}',
+    '{"type": "session.interaction", "interaction": {"event": {"prompt": "\\ud83d"}}}',
+    '{"type": "session.interaction", "interaction": {"event_id": "e\\ud800", "event": {"prompt": "fine"}}}',
+])
+def test_text_that_is_not_valid_unicode_is_rejected_before_any_stage(text):
+    # JSON escapes can spell lone surrogates; protobuf (and so every stage call) cannot encode them.
+    with pytest.raises(ProtocolError) as info:
+        parse_client_text(text, WIDE_LIMITS)
+    assert info.value.code == ErrorCode.INVALID_VALUE
+    assert "Unicode" in info.value.message
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json_and_are_never_echoed(constant):
+    # Python's parser takes them; echoed back in video.start they made the reply unreadable to browsers.
+    text = f'{{"type": "session.start", "prompt": "p", "extra_params": {{"strength": {constant}}}}}'
+    with pytest.raises(ProtocolError) as info:
+        parse_client_text(text, WIDE_LIMITS)
+    assert info.value.code == ErrorCode.INVALID_JSON
+    assert constant in info.value.message

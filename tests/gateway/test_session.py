@@ -246,6 +246,40 @@ async def test_rejected_prompt_update_gets_interaction_failed_and_stream_continu
     assert done["stopped"] is False and done["chunks"] >= 4
 
 
+class _BrokenUpdatePipeline(FakePipeline):
+    """update_prompt raises a non-PipelineError for the prompt 'explode'."""
+
+    async def start(self, request):
+        session = await super().start(request)
+        original = session.update_prompt
+
+        async def update_prompt(event_id: str, prompt: str) -> None:
+            if prompt == "explode":
+                raise asyncio.InvalidStateError("RPC already finished")
+            await original(event_id, prompt)
+
+        session.update_prompt = update_prompt
+        return session
+
+
+async def test_unexpected_update_failure_is_reported_and_later_updates_still_flow():
+    pipeline = _BrokenUpdatePipeline(FakeBehaviour(num_chunks=12, chunk_delay_s=0.05))
+    async with running_gateway(small_config(), pipeline) as server:
+        t = Transcript()
+        async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server)) as ws:
+            await ws.send_json({"type": "session.start", "prompt": "fine prompt"})
+            await read_until(ws, t, until="video.chunk_metadata")
+            await ws.send_json({"type": "session.interaction",
+                                "interaction": {"event_id": "bad", "event": {"prompt": "explode"}}})
+            error = await read_until(ws, t, until="error")
+            await ws.send_json({"type": "session.interaction",
+                                "interaction": {"event_id": "good", "event": {"prompt": "a later update"}}})
+            queued = await read_until(ws, t, until="session.interaction.queued")
+            await read_until(ws, t, until="session.done")
+    assert error is not None and error["code"] == "interaction_failed" and error["event_id"] == "bad"
+    assert queued is not None and queued["event_id"] == "good"
+
+
 async def test_health_metrics_and_page_endpoints():
     pipeline = FakePipeline(FakeBehaviour(num_chunks=3))
     async with running_gateway(small_config(), pipeline) as server:

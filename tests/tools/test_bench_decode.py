@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
 
 def test_vit_tiles_prints_host_and_device_time_per_tile_count():

@@ -7,6 +7,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# every case runs a bench (as a subprocess, or its ranks as processes): the slow tier
+pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.cpu

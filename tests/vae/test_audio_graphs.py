@@ -48,6 +48,7 @@ def _graphed_stream(decoder: AudioDecoder, z: torch.Tensor) -> list[torch.Tensor
 
 
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_a_stream_decodes_only_the_captured_lengths(ckpt):
     # On the CPU the bank runs eagerly, with the same keys and miss count as on a GPU.
     graphed = AudioDecoder(load_audio_vae(ckpt))

@@ -194,6 +194,7 @@ def test_the_stream_declares_the_colour_matrix_its_pixels_were_converted_with(se
     assert tags == (6, 1, 1, 1)  # SMPTE 170M (BT.601) matrix, limited range; BT.709 primaries and transfer
 
 
+@pytest.mark.e2e
 def test_chromium_shows_the_colours_that_were_encoded():
     import base64
     import shutil
@@ -298,6 +299,7 @@ def test_parse_boxes_rejects_partial_data(session):
         parse_boxes(data + b"\x00\x00")
 
 
+@pytest.mark.e2e
 def test_chromium_media_source_buffers_the_stream_contiguously(session):
     """The boxes are hand-written, so check them against a real MSE implementation too (headless Chromium)."""
     import base64
