@@ -111,6 +111,7 @@ async def test_unexpected_update_failure_is_reported_and_later_updates_still_flo
             queued = await read_until(ws, t, until="session.interaction.queued")
             await read_until(ws, t, until="session.done")
     assert error is not None and error["code"] == "interaction_failed" and error["event_id"] == "bad"
+    assert error["fault"] == "server"  # the gateway failed the update, not the client
     assert queued is not None and queued["event_id"] == "good"
 
 
