@@ -16,6 +16,8 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.common.errors import InvalidInput
+
 log = logging.getLogger(__name__)
 
 TRACEPARENT_METADATA_KEY = "traceparent"
@@ -27,8 +29,9 @@ _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _SPAN_ID = re.compile(r"[0-9a-f]{16}")
 
 
-class TraceContextError(ValueError):
-    """A traceparent string or id does not follow the W3C trace-context format (named in the message)."""
+class TraceContextError(InvalidInput):
+    """A traceparent string or id does not follow the W3C trace-context format (named in the message); the
+    sender's fault, though callers log it and carry on rather than fail a request."""
 
 
 @dataclass(frozen=True)

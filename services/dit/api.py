@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the contract's attribute types only
     from services.dit.stream.session import CancelToken
 
 from services.common.config import bucket_sizes_error
-from services.common.errors import Cancelled, InvalidInput, VitascopeError
+from services.common.errors import Cancelled, InternalError, InvalidInput
 
 CANVAS_SHORT_EDGES = {"full": (480, 768, 1088), "tiny": (64, 128, 192, 256)}
 """Default allowed canvas short edges per model preset (sides must also be multiples of 32)."""
@@ -33,19 +33,21 @@ class InvalidPrompt(InvalidInput):
     """A prompt embedding has the wrong shape, dtype or non-finite values."""
 
 
-class LoRAError(InvalidInput):
-    """A LoRA adapter directory is malformed (the message names the file, target and problem)."""
+class LoRAError(InternalError):
+    """A LoRA adapter directory is malformed (the message names the file, target and problem); the adapter is
+    the deployment's, loaded at start-up, so a server fault."""
 
 
 class SessionCancelled(Cancelled):
     """The session was cancelled; its KV cache has been released."""
 
 
-class SessionClosed(VitascopeError):
-    """The session was already cancelled, closed or failed and cannot produce more phases."""
+class SessionClosed(InternalError):
+    """The session was already cancelled, closed or failed and cannot produce more phases (the server's own
+    loop asked it for one: INTERNAL)."""
 
 
-class KVCacheError(VitascopeError):
+class KVCacheError(InternalError):
     """A KV-cache transaction was misused (commit without stage, overflow of the preallocated capacity)."""
 
 
@@ -107,10 +109,10 @@ class HoldConfig:
 
     def __post_init__(self) -> None:
         if self.max_seconds is not None and not (math.isfinite(self.max_seconds) and self.max_seconds > 0):
-            raise ValueError(f"hold max_seconds={self.max_seconds!r} must be a positive finite number, or None "
-                             f"for an infinite hold")
+            raise InvalidInput(f"hold max_seconds={self.max_seconds!r} must be a positive finite number, or None "
+                               f"for an infinite hold")
         if not (math.isfinite(self.poll_seconds) and self.poll_seconds > 0):
-            raise ValueError(f"hold poll_seconds={self.poll_seconds!r} must be a positive finite number")
+            raise InvalidInput(f"hold poll_seconds={self.poll_seconds!r} must be a positive finite number")
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+            raise InvalidInput(f"seed={self.seed!r} must be a non-negative int")
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,6 +26,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLTextRotaryEmbedding,
 )
 
+from services.common.errors import InternalError, InvalidInput
 from services.tensors.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 
 logger = logging.getLogger(__name__)
@@ -33,11 +34,11 @@ logger = logging.getLogger(__name__)
 TEXT_KEY_PREFIX = "model.language_model."
 
 
-class EncoderInputError(ValueError):
+class EncoderInputError(InvalidInput):
     """The prompt or token ids cannot be encoded (empty, too long, out-of-vocabulary id)."""
 
 
-class EncoderCheckpointError(RuntimeError):
+class EncoderCheckpointError(InternalError):
     """The text-encoder checkpoint on disk does not match the preset (missing/mis-shaped tensors, bad index)."""
 
 

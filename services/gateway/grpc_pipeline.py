@@ -47,6 +47,8 @@ from services.common.grpc_server import CHANNEL_OPTIONS, HEALTH_NAMES
 from services.common.host_identity import process_hello
 from services.common.media import AUDIO_SAMPLE_RATE
 from services.gateway.pipeline import (
+    BackendBusy,
+    BackendFailed,
     BackendUnavailable,
     InvalidRequest,
     MediaChunk,
@@ -82,10 +84,10 @@ def pipeline_error(stage: str, exc: grpc.RpcError) -> PipelineError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(f"{stage}: {detail}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return PipelineError(f"{stage}: {detail}", code="backend_busy")
+        return BackendBusy(f"{stage}: {detail}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return BackendUnavailable(f"{stage} unavailable: {detail}")
-    return PipelineError(f"{stage} failed ({code.name}): {detail}")
+    return BackendFailed(f"{stage} failed ({code.name}): {detail}")
 
 
 class GrpcPipeline(Pipeline):
@@ -245,7 +247,7 @@ class GrpcSession(PipelineSession):
         except grpc.RpcError as exc:
             raise pipeline_error("dit", exc) from None
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "started":
-            raise PipelineError("dit: stream closed before the session started")
+            raise BackendFailed("dit: stream closed before the session started")
         self._vae_call = self.pipeline.vae.Decode(metadata=tracing.to_metadata(self.trace))
         try:
             await self._vae_call.write(vae_pb2.DecodeRequest(start=vae_pb2.DecodeStart(
@@ -358,7 +360,7 @@ class GrpcSession(PipelineSession):
             if isinstance(exc, grpc.RpcError):
                 raise pipeline_error("dit", exc)
             if exc is not None:
-                raise PipelineError(f"dit → vae forwarding failed: {exc}")
+                raise BackendFailed(f"dit → vae forwarding failed: {exc}")
 
     def _trailer(self, data: bytes, num_frames: int) -> MediaChunk:
         """The stream's closing bytes (the decoder's held-back last `num_frames` frames, the muxer's closing
@@ -428,7 +430,7 @@ class GrpcSession(PipelineSession):
         except asyncio.InvalidStateError:  # grpc.aio: writing to a call that has finished or half-closed
             self._text_seconds.pop(event_id, None)
             await self.pipeline.release_embeddings(parts)
-            raise PipelineError("dit: the session's stream has already ended") from None
+            raise BackendFailed("dit: the session's stream has already ended") from None
         except BaseException:  # cancelled mid-write: the parts not yet written go back from here
             self._text_seconds.pop(event_id, None)
             unsent = [p for p in parts if p.WhichOneof("where") == "cuda" and (

@@ -5,8 +5,9 @@ Knows nothing about websockets, JSON or gRPC. The gRPC-backed implementation liv
 
 Contract:
 - `Pipeline.start(request)` admits one validated session and returns a `PipelineSession`. It may
-  raise `InvalidRequest` (bad values the gateway could not judge), `BackendUnavailable` or any
-  other `PipelineError`.
+  raise `InvalidRequest` (bad values the gateway could not judge), `BackendBusy`, `BackendUnavailable` or
+  `BackendFailed`: each a `PipelineError` on one side of the `VitascopeError` hierarchy, so its `fault`
+  (client or server) goes out with its `code`.
 - `PipelineSession.chunks()` yields `MediaChunk`s in order, exactly once per session. The first
   media chunk's `data` starts with the fMP4 init segment. The iterator ends after the last chunk,
   or soon after `cancel()` (a `kind="trailer"` chunk holding the muxer's closing bytes may come
@@ -23,9 +24,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from services.common.errors import ClientError, ServerError, VitascopeError
 
-class PipelineError(Exception):
-    """A backend failure; `code` is the wire error code sent to the client."""
+
+class PipelineError(VitascopeError):
+    """A backend error; `code` is the wire error code sent to the client, `fault` whose fault it was.
+
+    The common base of the kinds below, which each derive from `ClientError` or `ServerError` as well; raise
+    one of them (a bare PipelineError counts as a server fault).
+    """
 
     code = "internal_error"
 
@@ -39,16 +46,28 @@ class PipelineError(Exception):
         return str(self)
 
 
-class InvalidRequest(PipelineError):
+class InvalidRequest(PipelineError, ClientError):
     """The backend rejected the request or an interaction because of its content."""
 
     code = "invalid_request"
 
 
-class BackendUnavailable(PipelineError):
+class BackendBusy(PipelineError, ClientError):
+    """Every slot of the backend is taken (its RESOURCE_EXHAUSTED); the client may retry later."""
+
+    code = "backend_busy"
+
+
+class BackendUnavailable(PipelineError, ServerError):
     """A backend stage cannot be reached or is not serving."""
 
     code = "backend_unavailable"
+
+
+class BackendFailed(PipelineError, ServerError):
+    """A backend stage failed while serving the session (an INTERNAL status, a broken stream)."""
+
+    code = "internal_error"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ Client -> server (JSON text frames):
   session.ping         refreshes the stall clock; the server answers `session.pong`
 Server -> client: video.start, video.chunk_metadata (+ exactly one binary fMP4 frame after it),
   session.interaction.queued, session.queued, session.pong, session.done, error.
-Additive to vLLM-Omni: `session.queued{position}`, `error.code` on every error, and the chunk
+Additive to vLLM-Omni: `session.queued{position}`, `error.code` and `error.fault` on every error, and the chunk
 metadata fields `request_index`, `phase_index`, `timings`. A chunk is one phase of generation, except a session's
 first phase, which goes out as three chunks (its first 5 frames as soon as its first clip is decoded, that clip's
 other 12, then the rest): all carry that phase's `generation_chunk_index` and indexes, while
@@ -28,35 +28,38 @@ that hold that many frames (124 in the first, 119 in each later one), then a tra
 false}`; without it the session runs until stopped. `num_inference_steps`, `guidance_scale` and `negative_prompt`
 are type-checked and ignored, other unknown fields ignored. The trailer's `generation_chunk_index` is null.
 
-Error codes and whether the connection closes after the `error` message:
-  code                     closes  when
-  invalid_json             no      a text frame that is not a JSON object (NaN and Infinity are not JSON)
-  binary_not_allowed       no      a binary frame from the client
-  unknown_type             no      `type` missing or not a known message type
-  missing_field            *       a required field is absent
-  invalid_type             *       a field has the wrong JSON type
-  invalid_value            *       a field has an out-of-range value (e.g. negative seed)
-  unsupported_field        *       a field this server does not implement (image_reference, lora, ...)
-  message_too_large        *       a frame above `max_start_bytes` (start) / `max_interaction_bytes`
-  empty_prompt             *       prompt empty or only whitespace
-  prompt_too_long          *       prompt longer than `max_prompt_chars`
-  unsupported_format       yes     `format` other than "m4s"
-  model_mismatch           yes     `model` names another model
-  canvas_not_allowed       yes     (width, height) not in the deployment's canvases
-  fps_not_allowed          yes     `fps` differs from the served frame rate
-  queue_full               yes     the wait queue is at its limit (close code 1013)
-  invalid_request          yes     the backend rejected the start
-  start_timeout            yes     no `session.start` within `start_timeout_s`
-  session_not_started      no      interaction or stop before `session.start`
-  session_already_started  no      a second `session.start`; the running session continues
-  event_id_conflict        no      an interaction reuses an event id of this session
-  too_many_updates         no      max_pending_updates prompt updates already wait for the backend
-  session_stopped          no      an interaction after `session.stop`
-  interaction_failed       no      the backend rejected a prompt update; streaming continues
-  stall_timeout            yes     no chunk and no ping for `stall_timeout_s`
-  backend_unavailable      yes     a backend stage failed or is unreachable
-  backend_busy             yes     a backend stage had no free session capacity for `stall_timeout_s`
-  internal_error           yes     anything else
+Error codes, whether the connection closes after the `error` message, and its `fault`: every `error` carries
+`fault`, "client" when the client's message, its order or its timing was wrong (fix it, or retry later: the
+busy codes), "server" when the server failed a request that was fine. `interaction_failed` says which (client
+when the backend rejected the prompt, server when the backend failed it); the other codes always say the one below.
+  code                     closes  fault   when
+  invalid_json             no      client  a text frame that is not a JSON object (NaN and Infinity are not JSON)
+  binary_not_allowed       no      client  a binary frame from the client
+  unknown_type             no      client  `type` missing or not a known message type
+  missing_field            *       client  a required field is absent
+  invalid_type             *       client  a field has the wrong JSON type
+  invalid_value            *       client  a field has an out-of-range value (e.g. negative seed)
+  unsupported_field        *       client  a field this server does not implement (image_reference, lora, ...)
+  message_too_large        *       client  a frame above `max_start_bytes` (start) / `max_interaction_bytes`
+  empty_prompt             *       client  prompt empty or only whitespace
+  prompt_too_long          *       client  prompt longer than `max_prompt_chars`
+  unsupported_format       yes     client  `format` other than "m4s"
+  model_mismatch           yes     client  `model` names another model
+  canvas_not_allowed       yes     client  (width, height) not in the deployment's canvases
+  fps_not_allowed          yes     client  `fps` differs from the served frame rate
+  queue_full               yes     client  the wait queue is at its limit (close code 1013)
+  invalid_request          yes     client  the backend rejected the start
+  start_timeout            yes     client  no `session.start` within `start_timeout_s`
+  session_not_started      no      client  interaction or stop before `session.start`
+  session_already_started  no      client  a second `session.start`; the running session continues
+  event_id_conflict        no      client  an interaction reuses an event id of this session
+  too_many_updates         no      client  max_pending_updates prompt updates already wait for the backend
+  session_stopped          no      client  an interaction after `session.stop`
+  interaction_failed       no      either  the backend rejected a prompt update; streaming continues
+  stall_timeout            yes     client  no chunk and no ping for `stall_timeout_s`
+  backend_unavailable      yes     server  a backend stage failed or is unreachable
+  backend_busy             yes     client  a backend stage had no free session capacity for `stall_timeout_s`
+  internal_error           yes     server  anything else
   (*) closes when no session runs yet (the rejected frame was, or may have been, the start);
       stays open once a session runs (the running session continues).
 A frame above the transport limit `max_frame_bytes` closes the socket with code 1009 and no
@@ -80,6 +83,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any, ClassVar, Union
 
+from services.common.errors import ClientError, Fault
 from services.common.media import VIDEO_FPS
 from services.gateway.pipeline import HoldSettings
 
@@ -119,8 +123,17 @@ class ErrorCode(str, Enum):
     INTERNAL_ERROR = "internal_error"
 
 
-class ProtocolError(Exception):
-    """A client message was rejected; becomes one `error` message with `code`."""
+ERROR_FAULTS: Mapping[ErrorCode, Fault] = MappingProxyType({
+    **{code: "client" for code in ErrorCode},
+    ErrorCode.BACKEND_UNAVAILABLE: "server",
+    ErrorCode.INTERNAL_ERROR: "server",
+})
+"""Whose fault each code is (`error.fault`) when the message does not say otherwise: only
+`interaction_failed` may be either, and takes the fault of the backend error behind it."""
+
+
+class ProtocolError(ClientError):
+    """A client message was rejected; becomes one `error` message with `code` (its fault: client)."""
 
     def __init__(self, code: ErrorCode, message: str, *, event_id: str | None = None) -> None:
         super().__init__(f"{code.value}: {message}")
@@ -585,9 +598,18 @@ class ErrorMessage:
     message: str
     event_id: str | None = None
     request_id: str | None = None
+    fault: Fault | None = None
+    """Whose fault it was, "client" or "server"; None takes the code's (`ERROR_FAULTS`)."""
+
+    def __post_init__(self) -> None:
+        if self.fault is None:
+            object.__setattr__(self, "fault", ERROR_FAULTS[self.code])
+        elif self.fault not in ("client", "server"):
+            raise ValueError(f"fault={self.fault!r} must be 'client' or 'server'")
 
     def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"type": "error", "code": self.code.value, "message": self.message}
+        wire: dict[str, Any] = {"type": "error", "code": self.code.value, "fault": self.fault,
+                                "message": self.message}
         if self.event_id is not None:
             wire["event_id"] = self.event_id
         if self.request_id is not None:

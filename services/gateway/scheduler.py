@@ -12,10 +12,12 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+from services.common.errors import NoCapacity
+
 logger = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
+class QueueFull(NoCapacity):
     """The wait queue is at its limit."""
 
     def __init__(self, limit: int) -> None:

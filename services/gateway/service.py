@@ -25,6 +25,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from services.common.errors import ClientError, Fault
 from services.common.logging_setup import log_context
 from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PHASES_PER_REQUEST
 from services.common.config import GatewayConfig
@@ -55,7 +56,7 @@ from services.gateway.scheduler import QueueFull, SessionScheduler
 logger = logging.getLogger(__name__)
 
 
-class ClientGone(Exception):
+class ClientGone(ClientError):
     """The transport can no longer deliver messages to the client."""
 
 
@@ -82,8 +83,8 @@ class Outcome(str, enum.Enum):
     DISCONNECTED = "disconnected"
 
 
-class _Stalled(Exception):
-    pass
+class _Stalled(ClientError):
+    """No chunk and no `session.ping` for `stall_timeout_s` (the client's pings keep a slow session alive)."""
 
 
 _BUSY_RETRY_S = 0.1
@@ -301,7 +302,7 @@ class Session:
         except PipelineError as exc:
             outcome = Outcome.FAILED
             logger.warning("session %s failed in the backend: %s", self.request_id, exc)
-            await self._send_error(_error_code(exc), exc.message)
+            await self._send_error(_error_code(exc), exc.message, fault=exc.fault)
         except ClientGone:
             outcome = Outcome.DISCONNECTED
         except Exception as exc:  # noqa: BLE001 - session boundary: report, never crash the server
@@ -488,14 +489,14 @@ class Session:
             except PipelineError as exc:
                 logger.info("session %s: update %s rejected: %s", self.request_id, event_id, exc)
                 self._event_ids.discard(event_id)  # as in vLLM-Omni, a failed update's event id may be reused
-                await self._send_error(ErrorCode.INTERACTION_FAILED, exc.message, event_id=event_id)
+                await self._send_error(ErrorCode.INTERACTION_FAILED, exc.message, event_id=event_id, fault=exc.fault)
                 continue
             except Exception as exc:  # noqa: BLE001 - one failed update must not end the forwarding task
                 logger.exception("session %s: update %s failed unexpectedly", self.request_id, event_id)
                 self._event_ids.discard(event_id)
                 await self._send_error(ErrorCode.INTERACTION_FAILED,
                                        f"the update could not be forwarded ({type(exc).__name__})",
-                                       event_id=event_id)
+                                       event_id=event_id, fault="server")
                 continue
             with contextlib.suppress(ClientGone):
                 await self._sink.send(InteractionQueued(self.request_id, event_id))
@@ -506,8 +507,10 @@ class Session:
         except Exception:  # noqa: BLE001 - cancellation is best effort; the slot is freed anyway
             logger.exception("session %s: backend cancel failed", self.request_id)
 
-    async def _send_error(self, code: ErrorCode, message: str, *, event_id: str | None = None) -> None:
+    async def _send_error(self, code: ErrorCode, message: str, *, event_id: str | None = None,
+                          fault: Fault | None = None) -> None:
+        """Send one `error`; its fault is the code's unless given (a backend error's own side)."""
         self._metrics.errors_total.labels(code=code.value).inc()
         with contextlib.suppress(ClientGone):
             await self._sink.send(ErrorMessage(code, message, event_id=event_id,
-                                               request_id=self.request_id))
+                                               request_id=self.request_id, fault=fault))

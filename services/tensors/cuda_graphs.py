@@ -30,14 +30,16 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from services.common.config import PROMPT_BUCKETS, bucket_sizes_error
+from services.common.errors import InternalError
 
 log = logging.getLogger(__name__)
 
 Signature = tuple[tuple[tuple[int, ...], str], ...]
 
 
-class GraphError(ValueError):
-    """A graph was asked for the wrong shapes, captured after sealing, or a bucket does not exist."""
+class GraphError(InternalError):
+    """A graph was asked for the wrong shapes, captured after sealing, or a bucket does not exist (a server fault:
+    the service picks the shapes; a caller's bad input is rejected before any graph runs)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from services.common.errors import InvalidInput
 from vitascope.common.v1 import tensor_pb2 as pb
 
 MAX_PART_BYTES = 1 << 20
@@ -25,8 +26,8 @@ DTYPE_TO_PROTO = {
 PROTO_TO_DTYPE = {v: k for k, v in DTYPE_TO_PROTO.items()}
 
 
-class TransportError(ValueError):
-    """A tensor message is malformed or arrives out of order."""
+class TransportError(InvalidInput):
+    """A tensor message is malformed or arrives out of order (the sender's fault: INVALID_ARGUMENT)."""
 
 
 def tensor_to_parts(tensor: torch.Tensor) -> list[pb.TensorPart]:

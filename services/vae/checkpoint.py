@@ -16,6 +16,7 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from torch import nn
 
+from services.common.errors import InternalError
 from services.vae.model import build_audio_vae, build_video_vae
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ VIDEO_SUBDIR = "vae"
 AUDIO_SUBDIR = "audio_vae"
 
 
-class VAECheckpointError(RuntimeError):
+class VAECheckpointError(InternalError):
     """A VAE checkpoint directory is missing, malformed or does not match the expected class."""
 
 

@@ -28,6 +28,7 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.models.modeling_utils import get_parameter_dtype
 
+from services.common.errors import InvalidInput
 from services.tensors.cuda_graphs import CudaGraphBank, GraphKey
 
 VIDEO_LATENT_CHANNELS = 24
@@ -92,7 +93,7 @@ AUDIO_PRESETS: dict[str, dict] = {
 }
 
 
-class InvalidLatents(ValueError):
+class InvalidLatents(InvalidInput):
     """Latents handed to a decoder have the wrong rank, channel count, length or values."""
 
 

@@ -29,7 +29,7 @@ from typing import Iterable, NamedTuple
 import av
 import numpy as np
 
-from services.common.errors import InvalidInput, SequenceMismatch, VitascopeError
+from services.common.errors import InternalError, InvalidInput, SequenceMismatch
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,11 @@ _AVCOL_BT709 = 1
 _UNITY_MATRIX = struct.pack(">9I", 0x00010000, 0, 0, 0, 0x00010000, 0, 0, 0, 0x40000000)
 
 
-class EncoderUnavailable(VitascopeError, RuntimeError):
-    """The bundled FFmpeg lacks an encoder the muxer needs (libx264 or aac)."""
+class EncoderUnavailable(InternalError):
+    """The bundled FFmpeg lacks an encoder the muxer needs (libx264 or aac): the deployment's fault."""
 
 
-class MuxError(VitascopeError, RuntimeError):
+class MuxError(InternalError):
     """The encoders produced output the muxer cannot package (a bug or an unsupported codec option)."""
 
 

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from services.common.media import AUDIO_SAMPLE_RATE as SAMPLE_RATE
 from services.common.config import GatewayConfig
 from services.gateway.pipeline import (
+    BackendBusy,
     InvalidRequest,
     MediaChunk,
     Pipeline,
@@ -55,7 +56,7 @@ class FakeBehaviour:
     healthy: bool = True
     release_delay_s: float = 0.0
     """After a session's cancel returns, the backend stays busy this long (a DiT group releases its session only
-    at its next check between forwards): a start meanwhile raises PipelineError(code="backend_busy")."""
+    at its next check between forwards): a start meanwhile raises BackendBusy."""
 
 
 @dataclass
@@ -185,7 +186,7 @@ class FakePipeline(Pipeline):
             raise self.behaviour.start_error
         if asyncio.get_running_loop().time() < self.busy_until:
             self.busy_starts += 1
-            raise PipelineError("dit: this DiT group already streams a session", code="backend_busy")
+            raise BackendBusy("dit: this DiT group already streams a session")
         record = FakeRecord(request)
         self.records.append(record)
         return FakePipelineSession(self.behaviour, record, self)

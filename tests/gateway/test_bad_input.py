@@ -90,7 +90,7 @@ async def test_non_json_text_before_start_keeps_connection_usable(server):
         error = await read_until(ws, t, until="error")
         await ws.send_json(START)
         done = await read_until(ws, t, until="session.done")
-    assert error["code"] == "invalid_json" and done["stopped"] is False
+    assert error["code"] == "invalid_json" and error["fault"] == "client" and done["stopped"] is False
     await assert_server_recovers(server)
 
 
@@ -207,7 +207,7 @@ async def test_interaction_before_start(server):
 ])
 async def test_rejected_start_closes_with_named_code(server, frame, code):
     error, t = await rejected_start(server, frame)
-    assert error["code"] == code and error["message"]
+    assert error["code"] == code and error["message"] and error["fault"] == "client"
     assert t.close_code == (1009 if code == "message_too_large" else 1008)
     assert not t.of_type("video.start") and server.fake.records == []
     await assert_server_recovers(server)

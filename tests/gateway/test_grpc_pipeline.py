@@ -121,7 +121,8 @@ async def test_prompt_encode_seconds_ride_on_the_request_that_installs_the_promp
     completed = {1: ["e1", "e2", "e3"]}
     session._metas.extend(dit_pb2.PhaseMeta(request_index=k, phase_index=0, first_of_request=True,
                                             completed_event_ids=completed.get(k, [])) for k in range(4))
-    session._vae_call = _Calls([vae_pb2.DecodeResponse(data=b"x", last=True, num_frames=1) for _ in range(4)])
+    session._vae_call = _Calls([vae_pb2.DecodeResponse(data=b"x", phase_done=vae_pb2.ChunkEnd(), num_frames=1)
+                                for _ in range(4)])
     text = [chunk.timings.text async for chunk in session.chunks()]
     assert text[0] == 0.5
     assert text[1] >= 0.06

@@ -1,10 +1,15 @@
 """Parsing and validation of client frames (pure, no sockets)."""
 import json
 
+import grpc
 import pytest
 
+from services.common.errors import ClientError
 from services.common.config import GatewayConfig
+from services.gateway.grpc_pipeline import pipeline_error
+from services.gateway.pipeline import BackendBusy, BackendFailed, BackendUnavailable, InvalidRequest
 from services.gateway.protocol import (
+    ERROR_FAULTS,
     ChunkMetadata,
     ErrorCode,
     ErrorMessage,
@@ -117,7 +122,46 @@ def test_server_messages_serialise_to_wire_names():
     assert {"kind", "transport_chunk_index", "generation_chunk_index", "num_frames", "num_audio_samples",
             "audio_sample_rate", "byte_length", "completed_event_ids", "active_event_ids"} <= set(meta)
     err = ErrorMessage(ErrorCode.QUEUE_FULL, "busy").to_wire()
-    assert err == {"type": "error", "code": "queue_full", "message": "busy"}
+    assert err == {"type": "error", "code": "queue_full", "fault": "client", "message": "busy"}
+
+
+def test_every_error_code_says_whose_fault_it_is():
+    assert set(ERROR_FAULTS) == set(ErrorCode) and set(ERROR_FAULTS.values()) == {"client", "server"}
+    server_side = {code for code, fault in ERROR_FAULTS.items() if fault == "server"}
+    assert server_side == {ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.INTERNAL_ERROR}
+    assert ErrorMessage(ErrorCode.INVALID_VALUE, "bad seed").to_wire()["fault"] == "client"
+    assert ErrorMessage(ErrorCode.INTERNAL_ERROR, "boom").to_wire()["fault"] == "server"
+    # interaction_failed takes the side of the backend error behind it
+    assert ErrorMessage(ErrorCode.INTERACTION_FAILED, "x", fault="server").to_wire()["fault"] == "server"
+    with pytest.raises(ValueError, match="fault='nobody'"):
+        ErrorMessage(ErrorCode.INTERNAL_ERROR, "boom", fault="nobody")
+    with pytest.raises(ProtocolError) as info:
+        parse("not a dict")
+    assert isinstance(info.value, ClientError) and info.value.fault == "client"
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "why"
+
+
+@pytest.mark.parametrize("status,kind,code,fault", [
+    (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest, "invalid_request", "client"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, BackendBusy, "backend_busy", "client"),
+    (grpc.StatusCode.UNAVAILABLE, BackendUnavailable, "backend_unavailable", "server"),
+    (grpc.StatusCode.INTERNAL, BackendFailed, "internal_error", "server"),
+    (grpc.StatusCode.FAILED_PRECONDITION, BackendFailed, "internal_error", "server"),  # the gateway's own order
+])
+def test_a_stage_status_becomes_a_gateway_error_on_the_right_side(status, kind, code, fault):
+    error = pipeline_error("dit", _RpcError(status))
+    assert type(error) is kind and error.code == code and error.fault == fault
+    assert ERROR_FAULTS[ErrorCode(code)] == fault  # the wire code's side agrees with the exception's
 
 
 def test_config_rejects_bad_values_by_name():

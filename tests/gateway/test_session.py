@@ -9,7 +9,7 @@ import av
 import pytest
 
 from services.common.logging_setup import JsonFormatter
-from services.gateway.pipeline import BackendUnavailable
+from services.gateway.pipeline import BackendFailed, BackendUnavailable, InvalidRequest
 from services.gateway.protocol import PacingSettings
 from services.gateway.service import MediaPacer
 from tests.gateway.fakes import (
@@ -218,15 +218,23 @@ async def test_pings_keep_a_session_without_progress_alive():
     assert not t.of_type("error") and done["stopped"] is True
 
 
-async def test_backend_start_failure_is_reported_and_server_stays_up():
-    pipeline = FakePipeline(FakeBehaviour(start_error=BackendUnavailable("dit is not serving")))
+@pytest.mark.parametrize("start_error,code,fault", [
+    pytest.param(BackendUnavailable("dit is not serving"), "backend_unavailable", "server", id="unavailable"),
+    pytest.param(BackendFailed("dit failed (INTERNAL): dit is not serving"), "internal_error", "server",
+                 id="stage-internal"),
+    pytest.param(InvalidRequest("vae: dit is not serving this canvas"), "invalid_request", "client",
+                 id="stage-invalid-argument"),
+])
+async def test_backend_start_failure_is_reported_and_server_stays_up(start_error, code, fault):
+    pipeline = FakePipeline(FakeBehaviour(start_error=start_error))
     async with running_gateway(small_config(), pipeline) as server:
         t = Transcript()
         async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server)) as ws:
             await ws.send_json({"type": "session.start", "prompt": "p"})
             error = await read_until(ws, t, until="error")
             await read_until(ws, t)
-        assert error["code"] == "backend_unavailable" and "dit is not serving" in error["message"]
+        assert error["code"] == code and "dit is not serving" in error["message"]
+        assert error["fault"] == fault  # a failed backend is the server's fault, a rejected request the client's
         assert t.close_code == 1011
         pipeline.behaviour.start_error = None
         await run_good_session(server)
@@ -242,7 +250,7 @@ async def test_rejected_prompt_update_gets_interaction_failed_and_stream_continu
                                 "interaction": {"event_id": "x", "event": {"prompt": "bad"}}})
             error = await read_until(ws, t, until="error")
             done = await read_until(ws, t, until="session.done")
-    assert error["code"] == "interaction_failed" and error["event_id"] == "x"
+    assert error["code"] == "interaction_failed" and error["event_id"] == "x" and error["fault"] == "client"
     assert done["stopped"] is False and done["chunks"] >= 4
 
 
@@ -277,6 +285,7 @@ async def test_unexpected_update_failure_is_reported_and_later_updates_still_flo
             queued = await read_until(ws, t, until="session.interaction.queued")
             await read_until(ws, t, until="session.done")
     assert error is not None and error["code"] == "interaction_failed" and error["event_id"] == "bad"
+    assert error["fault"] == "server"  # the gateway failed the update, not the client
     assert queued is not None and queued["event_id"] == "good"
 
 

@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import nn
 
+from services.common.errors import InternalError
+
 if TYPE_CHECKING:
     from services.dit.model.network import DiT
 
 log = logging.getLogger(__name__)
 
 
-class AdaLNCacheError(ValueError):
+class AdaLNCacheError(InternalError):
     """The AdaLN cache cannot serve a request (uncached timestep, or a cache that is already installed)."""
 
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from services.common.errors import InternalError
 from services.dit.model.network import DiT, ModelArgs, is_fp32_param, meta_model, rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ CLASS_NAME = {"original": "MiniMaxH3DiTModel", "diffusers": "MiniMaxH3Transforme
 _DTYPE_SIZE = {"BF16": 2, "F32": 4}
 
 
-class CheckpointError(Exception):
+class CheckpointError(InternalError):
     """A DiT checkpoint cannot be used; the message names every problem found."""
 
 

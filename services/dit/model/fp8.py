@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from services.common.errors import InternalError
+
 log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -37,7 +39,7 @@ _BLOCK_TARGET = re.compile(r"^blocks\.(\d+)\.(attn\.qkv_proj|attn\.out_proj|mlp\
 _MIN_AMAX = 1e-12
 
 
-class Fp8Error(ValueError):
+class Fp8Error(InternalError):
     """FP8 quantisation was asked for something it cannot do (bad shape, bad pattern, unsupported weight)."""
 
 
