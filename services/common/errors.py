@@ -81,10 +81,6 @@ class InternalError(ServerError):
     """A fault inside the service (a kernel, graph, cache, checkpoint or configuration error)."""
 
 
-class InternalValueError(InternalError, ValueError):
-    """An internal fault that is also a ValueError, for code (and tests) that catch the ValueError it replaced."""
-
-
 _STATUS: tuple[tuple[type[VitascopeError], grpc.StatusCode], ...] = (
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (SequenceMismatch, grpc.StatusCode.FAILED_PRECONDITION),
