@@ -7,9 +7,9 @@ where the tiny decoder's effective reach is under 8 latents; the full-size figur
 the receptive radius ("exact") 1e-5 too, float reassociation only.
 """
 import threading
-import numpy as np
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
