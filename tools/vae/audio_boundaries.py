@@ -1,13 +1,13 @@
 """Audio at phase boundaries: the streamed audio against the whole-session decode, per right context.
 
-Knows nothing about the muxer or gRPC: it builds an audio VAE of a preset with random weights (CPU by default),
-streams random latents through `IncrementalAudioDecoder` in a session's phase sizes (request 0, then later
+Knows nothing about the muxer or gRPC: it builds an audio VAE of a preset with random weights on `--device` (the
+CPU by default), streams random latents through `IncrementalAudioDecoder` in a session's phase sizes (request 0, then later
 requests), and prints, for each right context, the error at the phase boundaries against one decode of all the
 latents (TaoMate-H3's), the A/V latency the held audio adds beyond the video's held frames, and the decode time
 per phase. `video` is the session's default: the audio cut where the emitted video ends.
 
     python -m tools.vae.audio_boundaries --preset tiny
-    python -m tools.vae.audio_boundaries --preset full --phases 4
+    python -m tools.vae.audio_boundaries --preset full --phases 4 --device cuda:0
 """
 from __future__ import annotations
 
@@ -73,9 +73,13 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", choices=["tiny", "full"])
     parser.add_argument("--phases", type=int, default=8, help="phases streamed (request 0 has 4)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the VAE is built and decodes, e.g. cuda:0")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    decoder = AudioDecoder(build_audio_vae(args.preset))
+    with device:  # the full-size VAE's random init on the device, not on the CPU first
+        vae = build_audio_vae(args.preset)
+    decoder = AudioDecoder(vae.to(device))
     hop = decoder.hop_length
     plan, cuts = phase_plan(args.phases, hop)
     z = torch.randn(2, sum(plan), decoder.vae.config.latent_channels,
@@ -87,7 +91,7 @@ def main() -> None:
     video_hold = Fraction(HELD_FRAMES, VIDEO_FPS)
     latents_per_second = decoder.sample_rate // hop
     print(f"preset {args.preset}: {args.phases} phases {plan}, {sum(plan)} latents; receptive radius {radius} "
-          f"latents; whole decode {whole_seconds:.2f} s; torch threads {torch.get_num_threads()}")
+          f"latents; whole decode {whole_seconds:.2f} s; device {device}; torch threads {torch.get_num_threads()}")
     print("right context | boundary peak abs error            | boundary RMS error / RMS (mean, max) | "
           "added A/V latency | decode s/phase")
     for label, right, aligned in [("0", 0, False), ("video (~8.3)", 0, True), ("8", 8, False),
