@@ -244,6 +244,12 @@ class VAEConfig:
     the muxer's frames. Checked at start-up with the other stages' shares (services/common/gpu_budget.py)."""
     tile_memory_gib: float = 0
     """Its share of each of `tile_devices`' memory in GiB (0: none declared): a video decoder's copy and its tiles."""
+    audio_right_context: int | str = 0
+    """Audio latents (40 a second) of true right context every streamed sample is decoded with, at least. 0: what
+    the video's held-back frames give at no extra A/V latency (each phase's last 5 frames, 208 ms, about 8 latents:
+    the audio is cut where the emitted video ends). More holds the audio of a phase's last N latents for the next
+    phase, N / 40 s - 208 ms behind its video; "exact" is the decoder's receptive radius (33 latents on the release),
+    each sample then equal to the whole-session decode. Figures: docs/decisions.md."""
 
     def __post_init__(self):
         _check_dtype("vae.dtype", self.dtype)
@@ -259,6 +265,10 @@ class VAEConfig:
         if not isinstance(self.tile_overlap_px, int) or not 16 <= self.tile_overlap_px < 256 \
                 or self.tile_overlap_px % 16:
             raise ValueError(f"vae.tile_overlap_px={self.tile_overlap_px!r}: must be a multiple of 16 from 16 to 240")
+        if self.audio_right_context != "exact" and (not isinstance(self.audio_right_context, int) or isinstance(
+                self.audio_right_context, bool) or not 0 <= self.audio_right_context <= 64):
+            raise ValueError(f"vae.audio_right_context={self.audio_right_context!r}: must be a whole number of audio "
+                             "latents from 0 to 64, or \"exact\" (the decoder's receptive radius)")
         object.__setattr__(self, "tile_devices", tuple(self.tile_devices))
         if self.device in self.tile_devices or len(set(self.tile_devices)) != len(self.tile_devices):
             raise ValueError(f"vae.tile_devices={list(self.tile_devices)}: each must differ from vae.device="

@@ -62,14 +62,22 @@ class ModelArgs:
     """Key/value heads (grouped-query attention)."""
     head_dim: int
     """Per-head width."""
-    rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
-    rope_theta: float = 5_000_000.0
-    """RoPE base."""
-    mrope_section: tuple[int, int, int] = (24, 20, 20)
+    rms_norm_eps: float
+    """RMSNorm epsilon (`rms_norm_eps`)."""
+    rope_theta: float
+    """RoPE base (`rope_theta`)."""
+    mrope_section: tuple[int, int, int]
     """Multimodal RoPE split of the head_dim/2 frequencies over (t, h, w); for text all three use one position."""
-    max_position_embeddings: int = 262_144
+    mrope_interleaved: bool
+    """Whether the (t, h, w) frequencies are interleaved rather than laid out in three blocks."""
+    rope_type: str
+    """RoPE variant of `transformers` ("default": no scaling)."""
+    max_position_embeddings: int
     """Longest position the RoPE is configured for."""
+    hidden_act: str
+    """SwiGLU activation."""
+    attention_bias: bool
+    """Whether the q/k/v/o projections carry a bias."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -82,7 +90,10 @@ class ModelArgs:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelArgs.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if sum(self.mrope_section) * 2 != self.head_dim:
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0 or self.max_position_embeddings < 1:
+            raise ValueError(f"ModelArgs rms_norm_eps={self.rms_norm_eps}, rope_theta={self.rope_theta} and "
+                             f"max_position_embeddings={self.max_position_embeddings} must be positive")
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != self.head_dim:
             raise ValueError(
                 f"ModelArgs.mrope_section={self.mrope_section} must sum to head_dim/2={self.head_dim // 2}")
 
@@ -96,28 +107,33 @@ class ModelArgs:
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            hidden_act="silu",
+            hidden_act=self.hidden_act,
             max_position_embeddings=self.max_position_embeddings,
             rms_norm_eps=self.rms_norm_eps,
-            attention_bias=False,
+            attention_bias=self.attention_bias,
             rope_parameters={
-                "rope_type": "default",
+                "rope_type": self.rope_type,
                 "rope_theta": self.rope_theta,
                 "mrope_section": list(self.mrope_section),
-                "mrope_interleaved": True,
+                "mrope_interleaved": self.mrope_interleaved,
             },
         )
         config._attn_implementation = "sdpa"
         return config
 
 
+# The architecture both presets share: the `text_config` of MiniMax-H3's text_encoder/config.json.
+_QWEN3_VL_TEXT = dict(rms_norm_eps=1e-6, rope_theta=5_000_000.0, mrope_interleaved=True, rope_type="default",
+                      max_position_embeddings=262_144, hidden_act="silu", attention_bias=False)
+
 PRESETS: dict[str, ModelArgs] = {
     # text_config of MiniMax-H3 text_encoder/config.json (Qwen3-VL-32B); H3 reads hidden_states[50].
     "full": ModelArgs(vocab_size=151_936, hidden_size=5120, intermediate_size=25_600, num_layers=64,
-                      output_layer=50, num_heads=64, num_kv_heads=8, head_dim=128),
+                      output_layer=50, num_heads=64, num_kv_heads=8, head_dim=128, mrope_section=(24, 20, 20),
+                      **_QWEN3_VL_TEXT),
     # Same architecture, CPU sized; hidden_size equals the tiny DiT's text_dim. vocab fits the tiny tokenizer.
     "tiny": ModelArgs(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, output_layer=3,
-                      num_heads=4, num_kv_heads=2, head_dim=16, mrope_section=(4, 2, 2)),
+                      num_heads=4, num_kv_heads=2, head_dim=16, mrope_section=(4, 2, 2), **_QWEN3_VL_TEXT),
 }
 
 
@@ -260,9 +276,15 @@ class TextEncoder:
     @classmethod
     def load(cls, path: str | Path, preset: str, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.bfloat16, max_tokens: int = 512) -> "TextEncoder":
-        """Load `path/text_encoder` (and `path/tokenizer` if it holds a vocabulary) for `preset`."""
-        args = get_preset(preset)
+        """Load `path/text_encoder` (and `path/tokenizer` if it holds a vocabulary) for `preset`.
+
+        Its config.json and the tokenizer's config are checked against the preset first; the stack is built from
+        the checked config.
+        """
+        from services.encoder.checkpoint import read_checked_config  # checkpoint.py imports this module
+
         root = Path(path)
+        args = read_checked_config(root, preset)
         with torch.device("meta"):
             stack = TextStack(args)
         load_stack_weights(stack, root / "text_encoder", device, dtype)

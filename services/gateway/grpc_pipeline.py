@@ -315,7 +315,7 @@ class GrpcSession(PipelineSession):
                 if end is None:  # more parts of this chunk follow
                     continue
                 if end == "trailer":  # the last message the VAE sends
-                    yield self._trailer(bytes(data), reply.num_frames)
+                    yield self._trailer(bytes(data), reply)
                     data = bytearray()
                     continue
                 meta = self._metas[0]
@@ -362,13 +362,15 @@ class GrpcSession(PipelineSession):
             if exc is not None:
                 raise BackendFailed(f"dit → vae forwarding failed: {exc}")
 
-    def _trailer(self, data: bytes, num_frames: int) -> MediaChunk:
-        """The stream's closing bytes (the decoder's held-back last `num_frames` frames, the muxer's closing
-        fragment), labelled with the last phase delivered before them."""
+    def _trailer(self, data: bytes, reply: vae_pb2.DecodeResponse) -> MediaChunk:
+        """The stream's closing bytes (the decoder's held-back last frames and audio, the muxer's closing
+        fragment), labelled with the last phase delivered before them and the VAE's frame and sample counts."""
         meta = self._last_meta
-        log.info("trailer received (%d bytes, %d frames)", len(data), num_frames)
+        log.info("trailer received (%d bytes, %d frames, %d audio samples)", len(data), reply.num_frames,
+                 reply.num_audio_samples)
         return MediaChunk(data=data, request_index=meta.request_index if meta else 0,
-                          phase_index=meta.phase_index if meta else 0, num_frames=num_frames, num_audio_samples=0,
+                          phase_index=meta.phase_index if meta else 0, num_frames=reply.num_frames,
+                          num_audio_samples=reply.num_audio_samples,
                           audio_sample_rate=(meta.audio_sample_rate if meta else 0) or AUDIO_SAMPLE_RATE,
                           kind="trailer")
 

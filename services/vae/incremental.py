@@ -19,16 +19,25 @@ hold 2 + 5k latents (request 0 phase 0: 12 latents -> 34 frames out, 5 held), la
 then equals the whole decode (bit for bit when the decoder runs one tile per ViT call; within float reassociation,
 about 1e-7, when the whole decode batches more clips per call than a phase does), 5 frames (208 ms) later.
 
-Audio: the BigVGAN decoder is a stack of non-causal convolutions. Each call decodes
-`[last context_latents of earlier calls | new latents | last new latent repeated pad_latents times]` and returns only
-the new part. With a context at least the decoder's left receptive radius every sample matches the whole decode
-except those within the right radius of the call's end, which a whole decode computes from latents that do not exist
-yet. The repeated-latent padding stands in for them and keeps the decoder's own end-of-signal edge effect out of
-every phase boundary: on tiny random weights the peak boundary error drops from 0.15 to 0.04 full scale with it
-(RMS about 7% of the signal inside the last radius of each phase, exact elsewhere).
+Audio: the BigVGAN decoder is a stack of non-causal convolutions, and TaoMate-H3 decodes the session's audio once.
+Each call decodes `[the last latents received before it | new latents | last new latent repeated pad_latents times]`
+and returns the samples from where the last call stopped up to its cut. Every sample with at least the decoder's
+receptive radius of true latents on both sides equals the whole decode (within float reassociation). The left side
+always has them: the carried latents reach `context_latents` (the radius) in front of the first sample returned. On
+the right, a sample near the end of the latents received is computed from padding where the whole decode has the
+next phase's latents, so the cut holds samples back: the session cuts where its emitted video ends (the video
+decoder holds each phase's last 5 frames, 208 ms, about 8 latents, for the next phase), so every phase boundary gets
+that much true right context at no extra A/V latency, and `right_context_latents` can ask for more (the radius:
+exact), its audio then waiting longer than its video. The held samples come with the next call; `flush()` decodes the
+last ones as the whole decode ends (no padding). The repeated-latent padding keeps the decoder's end-of-signal edge
+effect out of what the right context does not cover: with no right context (the cut at the end of the latents, as
+this decoder worked before) the RMS error inside the last radius of each phase was about 7% of the signal on tiny
+random weights; docs/decisions.md has the figures per right context.
 """
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import Iterator
 
 import torch
@@ -174,47 +183,100 @@ AUDIO_PHASE_LATENTS = (65, 56, 57, 28, 29)
 """A stream's audio latents per phase: the first phase (12 video latents), then 10- and 5-latent phases."""
 
 
-def audio_graph_lengths(decoder: AudioDecoder) -> list[int]:
-    """The latent lengths an `IncrementalAudioDecoder` hands its decoder: the first phase with its padding, then
-    every later phase size with the carried context in front."""
-    stream = IncrementalAudioDecoder(decoder)
+def audio_graph_lengths(decoder: AudioDecoder, right_context_latents: int = 0, held_latents: int = 0) -> list[int]:
+    """The latent lengths an `IncrementalAudioDecoder` of these settings hands its decoder: the first phase with its
+    padding, every later phase size with the carried window in front, and the flush at the stream's end."""
+    stream = IncrementalAudioDecoder(decoder, right_context_latents, held_latents)
     first, *later = AUDIO_PHASE_LATENTS
-    return [first + stream.pad_latents] + [stream.context_latents + n + stream.pad_latents for n in later]
+    window = stream.window_latents
+    return [first + stream.pad_latents] + [window + n + stream.pad_latents for n in later] + [window]
+
+
+def held_audio_latents(held_frames: int, fps: int, sample_rate: int, hop: int) -> int:
+    """Return the most audio latents a stream holds back behind its latents received when its audio is cut where
+    its emitted video ends, `held_frames` before the video's latents end: a phase's audio ends within half a latent
+    of its last frame (the DiT's `audio_boundary`), so the held audio spans the frames plus at most half a latent."""
+    return math.ceil(Fraction(held_frames * sample_rate, fps * hop) + Fraction(1, 2))
 
 
 class IncrementalAudioDecoder:
-    """Decode one phase of stereo audio latents at a time with left context and right padding."""
+    """Decode one phase of stereo audio latents at a time with left context, held-back right context and right
+    padding; see the module docstring."""
 
-    def __init__(self, decoder: AudioDecoder, context_latents: int | None = None,
-                 pad_latents: int | None = None) -> None:
+    def __init__(self, decoder: AudioDecoder, right_context_latents: int = 0, held_latents: int = 0,
+                 context_latents: int | None = None, pad_latents: int | None = None) -> None:
         radius = audio_receptive_radius(decoder.vae.config)
+        self.radius = radius
+        """The decoder's receptive radius in latents: a right context this long makes every sample exact."""
+        self.right_context_latents = right_context_latents
+        """Latents of true right context every returned sample has at least: a call returns no sample within this
+        many latents of the end of the latents received; a later call, or `flush`, returns them."""
+        self.held_latents = held_latents
+        """The most latents a call's `until` may hold back behind the end of the latents received."""
         self.context_latents = radius if context_latents is None else context_latents
-        """Latents of earlier phases decoded again in front of each phase (default: the receptive radius)."""
-        self.pad_latents = radius if pad_latents is None else pad_latents
-        """Copies of the phase's last latent appended behind it and decoded, then dropped (default: the radius)."""
-        if self.context_latents < 0 or self.pad_latents < 0:
-            raise ValueError(f"context_latents and pad_latents must be >= 0, got "
-                             f"{self.context_latents} and {self.pad_latents}")
+        """Latents decoded again in front of the first sample a call returns (default: the receptive radius)."""
+        default_pad = radius if right_context_latents < radius else 0  # with the whole radius the pad reaches nothing
+        self.pad_latents = default_pad if pad_latents is None else pad_latents
+        """Copies of the last latent received appended behind it and decoded, then dropped (default: the radius)."""
+        if min(self.context_latents, self.pad_latents, right_context_latents, held_latents) < 0:
+            raise ValueError(f"context_latents, pad_latents, right_context_latents and held_latents must be >= 0, "
+                             f"got {self.context_latents}, {self.pad_latents}, {right_context_latents} and "
+                             f"{held_latents}")
+        self.window_latents = self.context_latents + max(right_context_latents, held_latents)
+        """Latents received earlier that every call decodes again in front of its new ones (fewer at first)."""
         self.decoder = decoder
-        self._context: torch.Tensor | None = None  # [2, <=K, 32]
+        self._window: torch.Tensor | None = None  # [2, <=window_latents, 32]: the last latents received
+        self._received = 0  # latents per channel received
+        self._returned = 0  # samples per channel returned
+
+    @property
+    def returned_samples(self) -> int:
+        """Samples per channel returned so far in this stream (where the next call's samples start)."""
+        return self._returned
 
     def reset(self) -> None:
-        """Forget the carried context; the next call starts a new stream."""
-        self._context = None
+        """Forget the carried latents and the held samples; the next call starts a new stream."""
+        self._window, self._received, self._returned = None, 0, 0
 
     @torch.inference_mode()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Decode one phase `[2, A, 32]` to float32 `[2, A * 800]` in [-1, 1]."""
+    def decode(self, latents: torch.Tensor, until: int | None = None) -> torch.Tensor:
+        """Decode one phase `[2, A, 32]` and return float32 `[2, S]` in [-1, 1]: the stream's samples from where the
+        last call's ended up to `until` (default: the end of the latents received) and no further than
+        `right_context_latents` before that end."""
         self.decoder.validate(latents)
         latents = latents.to(self.decoder.device, torch.float32)
-        num_new = latents.shape[1]
-        num_context = 0 if self._context is None else self._context.shape[1]
-        parts = [latents, latents[:, -1:].expand(-1, self.pad_latents, -1)]
-        if num_context:
-            parts.insert(0, self._context)
-        wave = self.decoder.decode(torch.cat(parts, dim=1))  # wave: [2, (K + A + P) * hop]
-        if self.context_latents:
-            history = latents if self._context is None else torch.cat([self._context, latents], dim=1)
-            self._context = history[:, -self.context_latents:].clone()
         hop = self.decoder.hop_length
-        return wave[:, num_context * hop:(num_context + num_new) * hop]
+        end = (self._received + latents.shape[1]) * hop
+        until = end if until is None else until
+        if not end - self.held_latents * hop <= until <= end:
+            raise ValueError(f"until={until}: must lie within {self.held_latents} latents ({self.held_latents * hop} "
+                             f"samples) of the {end} samples received")
+        cut = max(self._returned, min(until, end - self.right_context_latents * hop))
+        parts = [latents, latents[:, -1:].expand(-1, self.pad_latents, -1)]
+        if self._window is not None:
+            parts.insert(0, self._window)
+        return self._advance(torch.cat(parts, dim=1), latents, cut)  # [2, W + A + P] latents
+
+    @torch.inference_mode()
+    def flush(self) -> torch.Tensor:
+        """End the stream: return its held-back samples `[2, S]` (S may be 0), decoded as the whole session's
+        decode ends it (no padding), and reset, so a next call starts a new stream."""
+        if self._window is None or self._returned == self._received * self.decoder.hop_length:
+            self.reset()
+            return torch.zeros(2, 0)
+        wave = self._advance(self._window, self._window[:, :0], self._received * self.decoder.hop_length)
+        self.reset()
+        return wave
+
+    def _advance(self, window: torch.Tensor, latents: torch.Tensor, cut: int) -> torch.Tensor:
+        """Decode `window` (the carried latents, then `latents` and any padding), return its samples from the last
+        cut to `cut`, and carry the latents received on."""
+        hop = self.decoder.hop_length
+        start = (self._received - (0 if self._window is None else self._window.shape[1])) * hop  # window's 1st sample
+        wave = self.decoder.decode(window)  # wave: [2, (W + A + P) * hop]
+        out = wave[:, self._returned - start:cut - start]
+        history = latents if self._window is None else torch.cat([self._window, latents], dim=1)
+        self._window = history[:, -self.window_latents:].clone() if self.window_latents else history[:, :0]
+        self._received += latents.shape[1]
+        self._returned = cut
+        return out

@@ -24,7 +24,7 @@ from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.vae.incremental import (IncrementalAudioDecoder, IncrementalVideoDecoder, audio_graph_lengths,
-                                      warm_up_video)
+                                      held_audio_latents, warm_up_video)
 from services.vae.model import AudioDecoder, InvalidLatents, VideoDecoder, on_device
 from services.vae.mux import EncodedTrack, FragmentedMP4Muxer
 
@@ -54,7 +54,8 @@ class DecodeSession:
     """One stream's decoders and muxer; `phase()` is called once per DiT phase, in order."""
 
     def __init__(self, video: VideoDecoder, audio: AudioDecoder, width: int, height: int, fps: int,
-                 sample_rate: int, x264_preset: str, lock: threading.Lock, audio_worker: ThreadPoolExecutor):
+                 sample_rate: int, x264_preset: str, lock: threading.Lock, audio_worker: ThreadPoolExecutor,
+                 audio_right_context: int = 0):
         if sample_rate != audio.sample_rate:
             raise InvalidInput(f"sample_rate={sample_rate}: the audio decoder produces {audio.sample_rate} Hz")
         if width % video.spatial_ratio or height % video.spatial_ratio:
@@ -67,7 +68,11 @@ class DecodeSession:
         self._audio_latents = 0
         """Audio latents per channel of the phases accepted so far."""
         self.video = IncrementalVideoDecoder(video)
-        self.audio = IncrementalAudioDecoder(audio)
+        self.audio = IncrementalAudioDecoder(audio, right_context_latents=audio_right_context,
+                                             held_latents=held_audio_latents(self.video.context_frames, fps,
+                                                                             sample_rate, audio.hop_length))
+        """Cut where the emitted video ends: the audio of the video's held-back frames waits with them for the next
+        phase, which decodes it with that much true right context (`vae.audio_right_context` asks for more)."""
         self.mux = FragmentedMP4Muxer(width, height, fps=fps, sample_rate=sample_rate,
                                       codec_options={"preset": x264_preset})
         self._lock = lock
@@ -98,11 +103,12 @@ class DecodeSession:
             raise InvalidInput(str(exc)) from None
         # the phase's latents span its frames and, on a stream's first phase, the 5 the video decoder holds back
         held = self.video.context_frames if self._frames == 0 else 0
+        emitted = self._frames + sum(parts) - (self.video.context_frames - held)  # frames muxed after this phase
         self._check_audio_covers_video(sum(parts) + held, audio_latents.shape[1])
         fragments = [[n] for n in parts]  # frames of each fragment, per decoded part
         if self.mux.frames_encoded == 0 and parts[0] > FIRST_FRAGMENT_FRAMES:
             fragments[0] = [FIRST_FRAGMENT_FRAMES, parts[0] - FIRST_FRAGMENT_FRAMES]
-        return self._chunks(video_latents, audio_latents, fragments)
+        return self._chunks(video_latents, audio_latents, fragments, emitted - sum(parts))
 
     def _check_audio_covers_video(self, frames: int, audio_latents: int) -> None:
         """Raise InvalidInput unless the stream's audio, this phase's included, ends within half an audio latent of
@@ -122,15 +128,15 @@ class DecodeSession:
                 f"{self.mux.fps} fps); the phase needs {round(expected) - self._audio_latents}")
         self._frames, self._audio_latents = frames_total, latents_total
 
-    def _chunks(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, fragments: list[list[int]]
-                ) -> Iterator[Chunk]:
+    def _chunks(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, fragments: list[list[int]],
+                first_frame: int) -> Iterator[Chunk]:
         sizes = [n for part in fragments for n in part]
         with self._lock:  # one phase at a time on the shared devices and the muxer
             ready = None
             if self.audio.decoder.stream is not None:  # the latents' copies are queued on this thread's stream
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.audio.decoder.device))
-            audio = self._audio_worker.submit(self._decode_audio, audio_latents, ready, sizes)
+            audio = self._audio_worker.submit(self._decode_audio, audio_latents, ready, first_frame, sizes)
             try:
                 k, t0 = 0, time.perf_counter()
                 for i, frames in enumerate(self.video.decode_parts_for_mux(video_latents)):
@@ -150,32 +156,40 @@ class DecodeSession:
             finally:
                 wait([audio])  # the audio never outlives the lock
 
-    def _decode_audio(self, latents: torch.Tensor, ready: "torch.cuda.Event | None", parts: list[int]
-                      ) -> tuple[float, list[tuple[int, EncodedTrack]]]:
-        """Worker thread: the decode's seconds and, for each fragment of the phase (`parts`: their frames; cut at
-        their video frame boundaries), its samples per channel and their AAC. On a GPU the decode runs on the audio
+    def _decode_audio(self, latents: torch.Tensor, ready: "torch.cuda.Event | None", first_frame: int,
+                      parts: list[int]) -> tuple[float, list[tuple[int, EncodedTrack]]]:
+        """Worker thread: the decode's seconds and, for each fragment of the phase (`parts`: their frames, the first
+        being the stream's frame `first_frame`; cut at their video frame boundaries), its samples per channel and
+        their AAC. The audio is cut where the phase's last fragment ends; on a GPU the decode runs on the audio
         decoder's own stream, after `ready`."""
+        rate, fps = self.mux.sample_rate, self.mux.fps
+        frame_ends = [first_frame + f for f in itertools.accumulate(parts)]
         started = time.perf_counter()
+        start = self.audio.returned_samples
         with on_device(self.audio.decoder.device), self.audio.decoder.own_stream(ready):
-            samples = self.audio.decode(latents).numpy()  # [2, S]
+            samples = self.audio.decode(latents, until=frame_ends[-1] * rate // fps).numpy()  # [2, S]
         seconds = time.perf_counter() - started
-        cuts = [f * self.mux.sample_rate // self.mux.fps for f in itertools.accumulate(parts[:-1])]
+        cuts = [min(max(f * rate // fps - start, 0), samples.shape[1]) for f in frame_ends[:-1]]
         bounds = [0, *cuts, samples.shape[1]]
         return seconds, [(b - a, self.mux.encode_audio(samples[:, a:b])) for a, b in zip(bounds, bounds[1:])]
 
     def close(self) -> Chunk:
-        """Close the stream: the video decoder's held-back last frames (their audio went out with the last phase) in
-        a fragment of their own, then the muxer's closing fragment with the audio the AAC encoder still held (b''
+        """Close the stream: the video decoder's held-back last frames and the audio held back with them in a
+        fragment of their own, then the muxer's closing fragment with the audio the AAC encoder still held (b''
         when nothing was ever muxed)."""
         t0 = time.perf_counter()
         held = self.video.flush_for_mux() if self.mux.frames_encoded else None
-        num_frames, data = 0, b""
+        with on_device(self.audio.decoder.device), self.audio.decoder.own_stream(None):
+            samples = self.audio.flush().numpy() if held is not None else None  # [2, S]
+        audio_seconds = time.perf_counter() - t0
+        self.audio.reset()
+        num_frames, num_samples, data = 0, 0, b""
         if held is not None:
-            num_frames = held.shape[0]
-            data = self.mux.emit(self.mux.encode_video(held.numpy()), EncodedTrack(0, []))
+            num_frames, num_samples = held.shape[0], samples.shape[1]
+            data = self.mux.emit(self.mux.encode_video(held.numpy()), self.mux.encode_audio(samples))
         data += self.mux.close()
-        return Chunk(data=data, num_frames=num_frames, num_audio_samples=0, video_decode_seconds=0.0,
-                     audio_decode_seconds=0.0, mux_seconds=time.perf_counter() - t0)
+        return Chunk(data=data, num_frames=num_frames, num_audio_samples=num_samples, video_decode_seconds=0.0,
+                     audio_decode_seconds=audio_seconds, mux_seconds=time.perf_counter() - t0 - audio_seconds)
 
 
 class Decoders(Protocol):
@@ -277,6 +291,8 @@ class VAEService(Stage):
         self.profile = profile
         self.video: VideoDecoder | None = None
         self.audio: AudioDecoder | None = None
+        self.audio_right_context = 0
+        """`vae.audio_right_context` in latents (resolved against the decoder's receptive radius at start)."""
         self._lock = threading.Lock()
         self._audio_worker = ThreadPoolExecutor(1, "vae-audio")
 
@@ -289,8 +305,13 @@ class VAEService(Stage):
         self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype), tile_overlap=cfg.tile_overlap_px,
                                   tile_replicas=replicas, compile_blocks=cfg.compile_blocks)
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
+        radius = IncrementalAudioDecoder(self.audio).radius
+        self.audio_right_context = radius if cfg.audio_right_context == "exact" else min(cfg.audio_right_context,
+                                                                                          radius)
         if cfg.cuda_graphs:
-            self.audio.capture_graphs(audio_graph_lengths(self.audio))
+            held = held_audio_latents(self.video.vae.frame_overlap, VIDEO_FPS, AUDIO_SAMPLE_RATE,
+                                      self.audio.hop_length)
+            self.audio.capture_graphs(audio_graph_lengths(self.audio, self.audio_right_context, held))
         log.info("VAE loaded on %s (%s), video tiles shared with %s", cfg.device, cfg.dtype, list(cfg.tile_devices))
 
     def close(self) -> None:
@@ -318,4 +339,5 @@ class VAEService(Stage):
         if self.video is None:
             raise NotReady("the VAE is still loading")
         return DecodeSession(self.video, self.audio, width, height, fps, sample_rate,
-                             self.profile.vae.x264_preset, self._lock, self._audio_worker)
+                             self.profile.vae.x264_preset, self._lock, self._audio_worker,
+                             self.audio_right_context)

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.cpu
 
 PHASES_PER_REQUEST = 4
 TRAILER = b"muxer-closing-bytes"
+TRAILER_AUDIO_SAMPLES = 6667
 
 
 def _meta(i: int, started=(), active="", completed=()) -> PhaseMeta:
@@ -124,7 +125,8 @@ class FakeDecodeSession:
     def close(self) -> Chunk:
         time.sleep(self.close_delay_s)
         self.closed = True
-        return Chunk(data=TRAILER, num_frames=0, num_audio_samples=0, video_decode_seconds=0.0,
+        # The decoder's 5 held-back frames and the audio behind them (as the VAE's session.close sends them).
+        return Chunk(data=TRAILER, num_frames=5, num_audio_samples=TRAILER_AUDIO_SAMPLES, video_decode_seconds=0.0,
                      audio_decode_seconds=0.0, mux_seconds=0.0)
 
 
@@ -348,7 +350,8 @@ async def test_cancel_delivers_the_phases_in_flight_then_the_trailer():
         dit_session, vae_session = stages.dit.sessions[0], stages.vae.sessions[0]
     kinds = [c.kind for c in chunks]
     assert kinds[-1] == "trailer" and kinds[:-1] == ["media"] * (len(chunks) - 1)
-    assert chunks[-1].data == TRAILER and chunks[-1].num_frames == 0
+    assert chunks[-1].data == TRAILER and chunks[-1].num_frames == 5
+    assert chunks[-1].num_audio_samples == TRAILER_AUDIO_SAMPLES  # the VAE's count, not 0
     media = chunks[:-1]
     assert [c.data for c in media] == [b"phase-%d" % i for i in range(len(media))]  # in order, none lost
     assert 3 <= len(media) <= 3 + 2  # at most max_phases_ahead were in flight at the stop

@@ -53,7 +53,7 @@ def session(decoders, worker) -> DecodeSession:
 
 def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker):
     video, audio = decoders
-    vdec, adec = IncrementalVideoDecoder(video), IncrementalAudioDecoder(audio)
+    vdec = IncrementalVideoDecoder(video)
     mux = FragmentedMP4Muxer(WIDTH, HEIGHT, fps=VIDEO_FPS, sample_rate=AUDIO_SAMPLE_RATE,
                              codec_options={"preset": "ultrafast"})
     phases = latents(1)
@@ -61,22 +61,26 @@ def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker)
     # the stream's first phase goes out as its first 5 frames, the other 12 of its first clip, then the rest, each
     # with the audio up to its last frame
     head, tail = vdec.decode_parts_for_mux(v0)
-    samples = adec.decode(a0).numpy()
-    cut5, cut17 = 5 * AUDIO_SAMPLE_RATE // VIDEO_FPS, 17 * AUDIO_SAMPLE_RATE // VIDEO_FPS
+    # the audio is cut where the emitted video ends: the 5 held-back frames' audio waits for the next phase
+    rate = lambda frames: frames * AUDIO_SAMPLE_RATE // VIDEO_FPS  # noqa: E731
+    adec = IncrementalAudioDecoder(audio, held_latents=9)
+    samples = adec.decode(a0, until=rate(34)).numpy()
+    cut5, cut17 = rate(5), rate(17)
     want = [mux.encode(head[:5].numpy(), samples[:, :cut5]), mux.encode(head[5:].numpy(), samples[:, cut5:cut17]),
             mux.encode(tail.numpy(), samples[:, cut17:])]
-    want += [mux.encode(vdec.decode(v).numpy(), adec.decode(a).numpy()) for v, a in rest]
-    # closing: the 5 frames the video decoder held back (the whole decode's last), then the AAC encoder's tail
-    want.append(mux.encode(vdec.flush_for_mux().numpy(), torch.zeros(2, 0).numpy())
-                + mux.close())
+    want += [mux.encode(vdec.decode(v).numpy(), adec.decode(a, until=rate(end)).numpy())
+             for (v, a), end in zip(rest, [68, 85])]
+    # closing: the 5 frames the video decoder held back (the whole decode's last) with their audio, then the AAC
+    # encoder's tail
+    want.append(mux.encode(vdec.flush_for_mux().numpy(), adec.flush().numpy()) + mux.close())
     stream = session(decoders, worker)
     chunks = [c for v, a in phases for c in stream.phase(v, a)]
     last = stream.close()
     assert [c.data for c in chunks] + [last.data] == want
     assert [(c.num_frames, c.num_audio_samples, c.phase_continues) for c in chunks] == [
-        (5, cut5, True), (12, cut17 - cut5, True), (17, 65 * 800 - cut17, False), (34, 57 * 800, False),
-        (17, 28 * 800, False)]
-    assert last.num_frames == 5
+        (5, cut5, True), (12, cut17 - cut5, True), (17, rate(34) - cut17, False), (34, rate(68) - rate(34), False),
+        (17, rate(85) - rate(68), False)]
+    assert last.num_frames == 5 and last.num_audio_samples == (65 + 57 + 28) * 800 - rate(85)
     assert [c.video_decode_seconds > 0 for c in chunks[:3]] == [True, False, True]  # the decode is the part's
 
 
@@ -106,9 +110,9 @@ def test_audio_decodes_in_the_worker_while_the_video_decodes(decoders, worker, m
         yield from real(x)
         seen["video"] = (threading.current_thread().name, started, time.perf_counter())
 
-    def audio_spy(x, real=stream.audio.decode):
+    def audio_spy(x, real=stream.audio.decode, **kwargs):
         started = time.perf_counter()
-        out = real(x)
+        out = real(x, **kwargs)
         seen["audio"] = (threading.current_thread().name, started, time.perf_counter())
         return out
     monkeypatch.setattr(stream.video, "decode_parts_for_mux", video_spy)
