@@ -33,7 +33,8 @@ Error codes, whether the connection closes after the `error` message, and its `f
 busy codes), "server" when the server failed a request that was fine. `interaction_failed` says which (client
 when the backend rejected the prompt, server when the backend failed it); the other codes always say the one below.
   code                     closes  fault   when
-  invalid_json             no      client  a text frame that is not a JSON object (NaN and Infinity are not JSON)
+  invalid_json             no      client  a text frame that is not a JSON object (NaN and Infinity are not JSON,
+                                           nor is a number past a double's range, e.g. 1e999)
   binary_not_allowed       no      client  a binary frame from the client
   unknown_type             no      client  `type` missing or not a known message type
   missing_field            *       client  a required field is absent
@@ -235,6 +236,15 @@ def _reject_non_json_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite_float(literal: str) -> float:
+    # A literal past a double's range (1e999) is valid JSON that Python reads as inf: echoed back it would be the
+    # non-JSON Infinity, so it is rejected like the constants.
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"number {literal[:40]} is out of range for a double")
+    return value
+
+
 def parse_client_text(text: str, limits: MessageLimits) -> ClientMessage:
     """Parse one client text frame into a message dataclass or raise ProtocolError."""
     size = len(text.encode("utf-8"))
@@ -244,7 +254,7 @@ def parse_client_text(text: str, limits: MessageLimits) -> ClientMessage:
             f"message is {size} bytes; the limit is {limits.max_start_bytes} bytes for session.start",
         )
     try:
-        body = json.loads(text, parse_constant=_reject_non_json_constant)
+        body = json.loads(text, parse_constant=_reject_non_json_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, or an over-long integer
         raise ProtocolError(ErrorCode.INVALID_JSON, f"text frame is not valid JSON ({exc})") from None
     if not isinstance(body, dict):

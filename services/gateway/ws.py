@@ -161,6 +161,8 @@ class _Connection:
         self._sink = _WebSocketSink(ws, transport, config.send_timeout_s)
         self._limits = MessageLimits(config.max_start_bytes, config.max_interaction_bytes,
                                      config.max_prompt_chars)
+        self._session_over = False
+        """Set when the session ended: the frame reader stops at its next frame even if its cancel was lost."""
 
     async def serve(self) -> None:
         session = await self._await_start()
@@ -176,6 +178,9 @@ class _Connection:
                     WSCloseCode.INTERNAL_ERROR)
                 # Stop the reader first: a close() that finds a receive() pending breaks it and drops
                 # the connection at once, and clients then see 1006 instead of the closing handshake.
+                # A cancel that lands as the reader's error reply completes is swallowed by Python 3.11's
+                # wait_for, so the reader also checks the flag before it reads again.
+                self._session_over = True
                 reader.cancel()
                 await asyncio.gather(reader, return_exceptions=True)
                 await self._ws.close(code=code)
@@ -225,8 +230,8 @@ class _Connection:
                 return None
 
     async def _read_session_frames(self, session: Session) -> None:
-        """Handle control frames while the session runs; return when the socket closes."""
-        while True:
+        """Handle control frames while the session runs; return when the socket closes or the session ended."""
+        while not self._session_over:
             msg = await self._ws.receive()
             if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
                 return

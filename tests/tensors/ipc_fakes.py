@@ -101,6 +101,8 @@ class LedgerConsumer:
     def open(self, part: pb.TensorPart, device=None):
         self.opened += 1
         ref = part.cuda
+        if ref.pool_id not in POOLS:  # as IpcConsumer refuses a pool it cannot open
+            raise IpcError(f"CUDA IPC pool {ref.pool_id!r} is not one this consumer can open")
         return (POOLS[ref.pool_id].stored[(ref.slot, ref.generation)].clone(),
                 pb.Release(pool_id=ref.pool_id, slot=ref.slot, generation=ref.generation))
 
