@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from services.client import ClientOptions, ClientResult, PromptUpdate, stream  # noqa: E402
-from services.up import bring_up, stop_all  # noqa: E402
+from services.up import bring_up  # noqa: E402
 
 log = logging.getLogger("bench_tiny")
 
@@ -188,7 +188,7 @@ def main() -> int:
             os.dup2(service_log.fileno(), 1)  # the children inherit these while they start
             os.dup2(service_log.fileno(), 2)
             try:
-                procs = bring_up(profile)
+                supervisor = bring_up(profile)
             finally:
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
@@ -199,7 +199,7 @@ def main() -> int:
             after = scrape_stages(http_url)
             warm = [run_warm(url, args.seed + 1 + i) for i in range(args.warm)]
         finally:
-            stop_all(procs)
+            supervisor.stop_all()
     stages = {s: (after[s][0] - before[s][0], after[s][1] - before[s][1]) for s in STAGES}
     print(report(args, cold, warm, stages, up_seconds, (load_before, os.getloadavg())))
     print(f"(service logs: {args.service_log})")

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -49,6 +50,8 @@ HEALTH_NAMES = {
 """Readiness health service name of each stage (its gRPC service's full name)."""
 SHUTDOWN_GRACE_SECONDS = 5.0
 HEALTH_POLL_SECONDS = 1.0
+FAILED_EXIT_CODE = 3
+"""A stage's exit code when it broke for good while serving (its supervisor restarts it)."""
 
 
 class Stage(ABC):
@@ -76,8 +79,9 @@ Register = Callable[[grpc.aio.Server, Stage], None]
 
 
 async def serve(stage: Stage, health_name: str, register: Register, port: int, metrics_port: int = 0,
-                host: str = "0.0.0.0", ready: Callable[[], None] | None = None) -> None:
-    """Serve a stage until SIGTERM/SIGINT: liveness at once, readiness after start() and warmup()."""
+                host: str = "0.0.0.0", ready: Callable[[], None] | None = None) -> bool:
+    """Serve a stage until SIGTERM/SIGINT (True) or until it fails for good (False): liveness at once,
+    readiness after start() and warmup()."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -107,12 +111,12 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
             ready()
         while not stop.is_set():
             if stage.failed:
-                log.error("%s failed; reporting NOT_SERVING", health_name)
+                log.error("%s failed for good; reporting NOT_SERVING and exiting to be restarted", health_name)
                 await health_servicer.set(health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
-                break
+                return False
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), HEALTH_POLL_SECONDS)
-        await stop.wait()
+        return True
     finally:
         log.info("%s shutting down", health_name)
         await health_servicer.enter_graceful_shutdown()
@@ -137,4 +141,7 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     profile = load_profile(args.profile, {name: {"device": device}} if device else None)
     check_fits(profile, name)
     port = args.port or profile.endpoints.port_of(name)
-    asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port, getattr(profile, name).metrics_port))
+    stopped = asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port,
+                                getattr(profile, name).metrics_port))
+    if not stopped:  # broken for good (a DiT group lost a rank): exit, so the supervisor starts it afresh
+        sys.exit(FAILED_EXIT_CODE)
