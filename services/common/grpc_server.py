@@ -41,6 +41,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # a restarted stage is reconnected to within a second or two, however long it was down
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 HEALTH_NAMES = {
     "encoder": "vitascope.encoder.v1.Encoder",
