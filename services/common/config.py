@@ -54,6 +54,10 @@ class Endpoints:
         """The port part of one endpoint."""
         return int(getattr(self, name).rsplit(":", 1)[1])
 
+    def host_of(self, name: str) -> str:
+        """The host part of one endpoint: where that stage listens (loopback in every shipped profile)."""
+        return getattr(self, name).rsplit(":", 1)[0].strip("[]")
+
 
 @dataclass(frozen=True)
 class EncoderConfig:

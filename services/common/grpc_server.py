@@ -83,7 +83,8 @@ Register = Callable[[grpc.aio.Server, Stage], None]
 
 
 async def serve(stage: Stage, health_name: str, register: Register, port: int, metrics_port: int = 0,
-                host: str = "0.0.0.0", ready: Callable[[], None] | None = None) -> bool:
+                host: str = "127.0.0.1", ready: Callable[[], None] | None = None,
+                metrics_host: str = "127.0.0.1") -> bool:
     """Serve a stage until SIGTERM/SIGINT (True) or until it fails for good (False): liveness at once,
     readiness after start() and warmup()."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -96,7 +97,7 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     if metrics_port:
-        prometheus_client.start_http_server(metrics_port)
+        prometheus_client.start_http_server(metrics_port, addr=metrics_host)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
@@ -137,6 +138,8 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     parser = argparse.ArgumentParser(description=f"vitascope {name} stage")
     parser.add_argument("--profile", required=True, help="deployment profile YAML (configs/*.yaml)")
     parser.add_argument("--port", type=int, help=f"override the profile's {name} port")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the Prometheus endpoint binds (default loopback; a pod's scrape needs 0.0.0.0)")
     if name != "dit":
         parser.add_argument("--device", help=f"override {name}.device")
     args = parser.parse_args()
@@ -145,7 +148,8 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     profile = load_profile(args.profile, {name: {"device": device}} if device else None)
     check_fits(profile, name)
     port = args.port or profile.endpoints.port_of(name)
+    host = profile.endpoints.host_of(name)  # the stage listens where the profile says it is, nowhere else
     stopped = asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port,
-                                getattr(profile, name).metrics_port))
+                                getattr(profile, name).metrics_port, host=host, metrics_host=args.metrics_host))
     if not stopped:  # broken for good (a DiT group lost a rank): exit, so the supervisor starts it afresh
         sys.exit(FAILED_EXIT_CODE)
