@@ -261,6 +261,25 @@ async def test_closing_the_request_stream_ends_the_call():
     assert sum(r.WhichOneof("kind") == "phase_end" for r in replies) <= 2
 
 
+
+async def test_the_dit_generates_no_phase_past_the_session_budget():
+    async with Stages(3) as stages, grpc.aio.insecure_channel(stages.addr) as channel:
+        call = dit_pb2_grpc.DiTStub(channel).Stream()
+        await call.write(dit_pb2.StreamRequest(start=dit_pb2.SessionStart(session_id="budget", seed=1, width=64,
+                                                                           height=64, max_requests=2)))
+        for part in tensor_to_parts(torch.ones(3, 8)):
+            await call.write(dit_pb2.StreamRequest(prompt=dit_pb2.PromptPart(event_id="", embedding=part)))
+        assert (await call.read()).WhichOneof("kind") == "started"
+        phases = []
+        while (reply := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
+            if reply.WhichOneof("kind") == "meta":
+                phases.append((reply.meta.request_index, reply.meta.phase_index))
+                await call.write(dit_pb2.StreamRequest(ack=dit_pb2.PhaseAck(
+                    request_index=reply.meta.request_index, phase_index=reply.meta.phase_index)))
+        assert await call.code() == grpc.StatusCode.OK  # the stream ends by itself, with the budget's last phase
+    assert phases == [(k // 4, k % 4) for k in range(8)]
+    assert stages.dit.sessions[0].started == 8 and stages.dit.sessions[0].cancel_token.cancelled  # slot freed
+
 def test_phase_credit_rejects_bad_acks_and_window():
     credit = PhaseCredit(2)
     with pytest.raises(SequenceMismatch, match="no phase is unacknowledged"):
