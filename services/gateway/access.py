@@ -20,42 +20,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from services.common.config import GatewayAuthConfig
+
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
-@dataclass(frozen=True)
-class AccessConfig:
-    """The `gateway.auth` and limit settings of a profile."""
-
-    enabled: bool = False
-    """Require a token on the realtime websocket (and on /metrics with `protect_metrics`)."""
-    tokens_file: str = ""
-    """A file with one token per line (`#` starts a comment); read once at start-up."""
-    tokens_env: str = ""
-    """The name of an environment variable holding comma-separated tokens; read once at start-up."""
-    protect_metrics: bool = False
-    """Require a token on /metrics too (a Prometheus scrape then sends it as a bearer token)."""
-    allowed_origins: tuple[str, ...] = ()
-    """Browser origins allowed besides the page's own and loopback, e.g. `https://shop.example`."""
-    max_connections_per_address: int = 16
-    """Open websockets one client address may hold."""
-    starts_per_minute_per_address: int = 30
-    """`session.start` messages one client address may send in any 60 s."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in self.allowed_origins))
-        if self.enabled and not (self.tokens_file or self.tokens_env):
-            raise ValueError("gateway.auth.enabled needs gateway.auth.tokens_file or gateway.auth.tokens_env")
-        if self.max_connections_per_address < 1 or self.starts_per_minute_per_address < 1:
-            raise ValueError(f"gateway.auth limits max_connections_per_address={self.max_connections_per_address}, "
-                             f"starts_per_minute_per_address={self.starts_per_minute_per_address}: must be ≥ 1")
-        for origin in self.allowed_origins:
-            parts = urlsplit(origin)
-            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
-                raise ValueError(f"gateway.auth.allowed_origins entry {origin!r}: write scheme://host[:port]")
-
-
-def load_tokens(config: AccessConfig, environ: Mapping[str, str]) -> tuple[str, ...]:
+def load_tokens(config: GatewayAuthConfig, environ: Mapping[str, str]) -> tuple[str, ...]:
     """The configured tokens (from `main()`: the file and the environment are read there only)."""
     tokens: list[str] = []
     if config.tokens_file:
@@ -86,7 +56,7 @@ class Refusal:
 class Access:
     """The gateway's access checks (see the module docstring)."""
 
-    def __init__(self, config: AccessConfig, tokens: Iterable[str] = (), clock=time.monotonic) -> None:
+    def __init__(self, config: GatewayAuthConfig, tokens: Iterable[str] = (), clock=time.monotonic) -> None:
         self.config = config
         self._tokens = tuple(t.encode() for t in tokens)
         if config.enabled and not self._tokens:

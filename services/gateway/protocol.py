@@ -109,6 +109,7 @@ class ErrorCode(str, Enum):
     CANVAS_NOT_ALLOWED = "canvas_not_allowed"
     FPS_NOT_ALLOWED = "fps_not_allowed"
     QUEUE_FULL = "queue_full"
+    RATE_LIMITED = "rate_limited"
     INVALID_REQUEST = "invalid_request"
     START_TIMEOUT = "start_timeout"
     SESSION_NOT_STARTED = "session_not_started"

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.media import AUDIO_SAMPLE_RATE as SAMPLE_RATE
 from services.common.config import GatewayConfig
+from services.gateway.access import Access
 from services.gateway.pipeline import (
     BackendBusy,
     InvalidRequest,
@@ -208,10 +209,10 @@ def small_config(**overrides) -> GatewayConfig:
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(config: GatewayConfig, pipeline: Pipeline,
-                          registry: CollectorRegistry | None = None) -> AsyncIterator[TestServer]:
+async def running_gateway(config: GatewayConfig, pipeline: Pipeline, registry: CollectorRegistry | None = None,
+                          access: Access | None = None) -> AsyncIterator[TestServer]:
     """Serve the gateway on 127.0.0.1 with an ephemeral port; yields the aiohttp TestServer."""
-    server = TestServer(create_app(config, pipeline, registry), host="127.0.0.1", port=0)
+    server = TestServer(create_app(config, pipeline, registry, access), host="127.0.0.1", port=0)
     await server.start_server()
     try:
         yield server
@@ -259,10 +260,12 @@ def ws_url(server: TestServer) -> str:
     return str(server.make_url("/v1/realtime/video")).replace("http://", "ws://", 1)
 
 
-async def run_good_session(server: TestServer, prompt: str = "a good session") -> Transcript:
+async def run_good_session(server: TestServer, prompt: str = "a good session", token: str | None = None
+                           ) -> Transcript:
     """Run one session to session.done and the server's close; fail if anything else happens."""
     transcript = Transcript()
-    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server)) as ws:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server), headers=headers) as ws:
         await ws.send_json({"type": "session.start", "prompt": prompt})
         done = await read_until(ws, transcript, until="session.done")
         await read_until(ws, transcript)
