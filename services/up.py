@@ -30,6 +30,8 @@ from services.supervisor import CrashLoop, RestartPolicy, ServiceSpec, Superviso
 log = logging.getLogger("services.up")
 
 STAGES = ("encoder", "dit", "vae")
+SERVICES = (*STAGES, "gateway")
+"""Every service of a node, in start order."""
 START_TIMEOUT_SECONDS = 600.0
 PROBE_TIMEOUT_SECONDS = 2.0
 
@@ -38,7 +40,7 @@ def service_commands(profile_path: str | os.PathLike) -> dict[str, list[str]]:
     """The command line of every service this profile runs, in start order (also what compose runs)."""
     profile_arg = str(profile_path)
     return {name: ["python", "-m", f"services.{name}", "--profile", profile_arg]
-            for name in (*STAGES, "gateway")}
+            for name in SERVICES}
 
 
 def checkpoint_command(profile: Profile) -> list[str]:
@@ -85,7 +87,7 @@ def make_supervisor(profile: Profile, profile_path: str | os.PathLike, policy: R
     """A supervisor of the profile's four services (not started)."""
     commands = service_commands(profile_path)
     specs = [ServiceSpec(name, _python(commands[name]), lambda name=name: is_alive(name, profile))
-             for name in (*STAGES, "gateway")]
+             for name in SERVICES]
     return Supervisor(specs, policy, registry)
 
 
