@@ -120,6 +120,7 @@ class ErrorCode(str, Enum):
     INTERACTION_FAILED = "interaction_failed"
     STALL_TIMEOUT = "stall_timeout"
     BACKEND_UNAVAILABLE = "backend_unavailable"
+    BACKEND_FAILED = "backend_failed"
     BACKEND_BUSY = "backend_busy"
     INTERNAL_ERROR = "internal_error"
 
@@ -127,6 +128,7 @@ class ErrorCode(str, Enum):
 ERROR_FAULTS: Mapping[ErrorCode, Fault] = MappingProxyType({
     **{code: "client" for code in ErrorCode},
     ErrorCode.BACKEND_UNAVAILABLE: "server",
+    ErrorCode.BACKEND_FAILED: "server",
     ErrorCode.INTERNAL_ERROR: "server",
 })
 """Whose fault each code is (`error.fault`) when the message does not say otherwise: only

@@ -181,6 +181,17 @@ class FakePipeline(Pipeline):
         """Starts refused with backend_busy (the previous session not yet released)."""
         self.busy_until = 0.0
         """Loop time until which the backend is still releasing a cancelled session."""
+        self.down: list[str] = []
+        """Stages reported not serving (a restarting stage)."""
+
+    def stages_down(self) -> list[str]:
+        return list(self.down)
+
+    async def wait_ready(self, timeout_s: float) -> list[str]:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.down and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        return list(self.down)
 
     async def start(self, request: SessionRequest) -> PipelineSession:
         if self.behaviour.start_error is not None:
