@@ -30,7 +30,7 @@ from services.client import ClientOptions, stream
 from services.supervisor import RestartPolicy, Supervisor
 from services.up import bring_up
 
-pytestmark = [pytest.mark.cpu]
+pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HEAL_TIMEOUT_S = 120.0
@@ -65,7 +65,7 @@ def node(tmp_path_factory) -> Node:
         raw[stage]["metrics_port"] = port = _free_port()
         metrics[stage] = f"http://127.0.0.1:{port}/metrics"
     raw["gateway"]["port"] = gateway_port = _free_port()
-    raw["gateway"]["stall_timeout_s"] = 8.0
+    raw["gateway"]["stall_timeout_s"] = 30.0
     raw["gateway"]["backend_wait_s"] = 60.0
     profile = tmp / "profile.yaml"
     profile.write_text(yaml.safe_dump(raw))
@@ -138,6 +138,7 @@ class Broken:
     update_error: dict | None
     """The first error about a prompt update."""
     error_delay_s: float | None
+    """Seconds from the fault, or from the last media made before it arrived, to the error."""
     done: bool
 
 
@@ -145,6 +146,7 @@ async def _session_broken_by(node: Node, fault, update_after: bool = False) -> B
     """Start an unbounded session and apply `fault()` after two media chunks; with `update_after`, send a prompt
     update and then session.stop once the next chunk is in. Read until the session ends."""
     media, chunks, error, update_error, broke_at, error_at, done = bytearray(), 0, None, None, None, None, False
+    last_media_at = None
     async with aiohttp.ClientSession() as http, http.ws_connect(node.ws_url, max_msg_size=0) as ws:
         await ws.send_json({"type": "session.start", "prompt": "a lantern over a dark lake", "seed": 3})
         deadline = time.monotonic() + 120
@@ -153,6 +155,7 @@ async def _session_broken_by(node: Node, fault, update_after: bool = False) -> B
             if msg.type == aiohttp.WSMsgType.BINARY:
                 media.extend(msg.data)
                 chunks += 1
+                last_media_at = time.monotonic()
                 if chunks == 2 and broke_at is None:
                     fault()
                     broke_at = time.monotonic()
@@ -171,7 +174,7 @@ async def _session_broken_by(node: Node, fault, update_after: bool = False) -> B
                     break
             else:
                 break
-    delay = None if error_at is None or broke_at is None else error_at - broke_at
+    delay = None if error_at is None or broke_at is None else error_at - max(broke_at, last_media_at)
     return Broken(bytes(media), chunks, error, update_error, delay, done)
 
 
