@@ -1,8 +1,10 @@
-"""Bring the whole system up on one machine: `python -m services.up --profile configs/tiny_cpu.yaml`.
+"""Bring the whole system up on one machine and keep it up: `python -m services.up --profile configs/tiny_cpu.yaml`.
 
-Writes the profile's random-weight checkpoint on first use (when the profile asks for it), starts the
-encoder, DiT, VAE and gateway as child processes, waits until each is healthy, prints the URL to open,
-and stops them all on Ctrl-C / SIGTERM. Knows nothing about models beyond the checkpoint writer's CLI.
+Writes the profile's random-weight checkpoint on first use (when the profile asks for it), starts the encoder, DiT
+and VAE as child processes, waits until each is ready, starts the gateway, prints the URL to open, then supervises
+all four (`services.supervisor`): a service that exits or wedges is restarted with backoff while the others keep
+running, and a crash loop stops the node with a non-zero exit. Ctrl-C / SIGTERM stops every service. Knows nothing
+about models beyond the checkpoint writer's CLI.
 """
 from __future__ import annotations
 
@@ -15,23 +17,30 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+
+import prometheus_client
 
 from services.common.config import Profile, load_profile
 from services.common.grpc_server import HEALTH_NAMES
 from services.common.healthcheck import check
+from services.supervisor import CrashLoop, RestartPolicy, ServiceSpec, Supervisor
 
 log = logging.getLogger("services.up")
 
 STAGES = ("encoder", "dit", "vae")
+SERVICES = (*STAGES, "gateway")
+"""Every service of a node, in start order."""
 START_TIMEOUT_SECONDS = 600.0
+PROBE_TIMEOUT_SECONDS = 2.0
 
 
 def service_commands(profile_path: str | os.PathLike) -> dict[str, list[str]]:
     """The command line of every service this profile runs, in start order (also what compose runs)."""
     profile_arg = str(profile_path)
     return {name: ["python", "-m", f"services.{name}", "--profile", profile_arg]
-            for name in (*STAGES, "gateway")}
+            for name in SERVICES}
 
 
 def checkpoint_command(profile: Profile) -> list[str]:
@@ -48,21 +57,50 @@ def _gateway_url(profile: Profile) -> str:
     return f"http://{host}:{profile.gateway.port}"
 
 
-def _wait_healthy(name: str, profile: Profile, proc: subprocess.Popen, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode} before becoming healthy")
-        if name == "gateway":
-            try:
-                with urllib.request.urlopen(_gateway_url(profile) + "/healthz", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-        elif check(getattr(profile.endpoints, name), HEALTH_NAMES[name], timeout=2):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"{name} did not become healthy within {START_TIMEOUT_SECONDS:.0f} s")
+def _gateway_status(profile: Profile) -> int | None:
+    """The HTTP status of the gateway's /healthz (200 ready, 503 alive but a stage is down), None if no answer."""
+    try:
+        with urllib.request.urlopen(_gateway_url(profile) + "/healthz", timeout=PROBE_TIMEOUT_SECONDS) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def is_ready(name: str, profile: Profile) -> bool:
+    """True when the service is ready to serve (a stage's named gRPC health, the gateway's /healthz 200)."""
+    if name == "gateway":
+        return _gateway_status(profile) == 200
+    return check(getattr(profile.endpoints, name), HEALTH_NAMES[name], timeout=PROBE_TIMEOUT_SECONDS)
+
+
+def is_alive(name: str, profile: Profile) -> bool:
+    """True while the service answers at all (a stage's liveness service "", any /healthz reply of the gateway)."""
+    if name == "gateway":
+        return _gateway_status(profile) is not None
+    return check(getattr(profile.endpoints, name), "", timeout=PROBE_TIMEOUT_SECONDS)
+
+
+def make_supervisor(profile: Profile, profile_path: str | os.PathLike, policy: RestartPolicy,
+                    registry: prometheus_client.CollectorRegistry | None = None) -> Supervisor:
+    """A supervisor of the profile's four services (not started)."""
+    commands = service_commands(profile_path)
+    specs = [ServiceSpec(name, _python(commands[name]), lambda name=name: is_alive(name, profile))
+             for name in SERVICES]
+    return Supervisor(specs, policy, registry)
+
+
+def _wait_ready(names: tuple[str, ...], profile: Profile, supervisor: Supervisor, deadline: float) -> None:
+    """Tick the supervisor (restarting what exits) until every named service is ready."""
+    waiting = list(names)
+    while waiting:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(waiting)} did not become ready within {START_TIMEOUT_SECONDS:.0f} s")
+        supervisor.tick()
+        waiting = [n for n in waiting if supervisor.process(n) is None or not is_ready(n, profile)]
+        if waiting:
+            time.sleep(0.5)
 
 
 def check_ports_free(profile: Profile) -> None:
@@ -82,39 +120,26 @@ def check_ports_free(profile: Profile) -> None:
                                    f"Stop it or change the ports in {profile.path}") from None
 
 
-def bring_up(profile_path: pathlib.Path) -> list[subprocess.Popen]:
-    """Start every service of the profile and wait for health; returns the child processes."""
+def bring_up(profile_path: pathlib.Path, policy: RestartPolicy = RestartPolicy(),
+             registry: prometheus_client.CollectorRegistry | None = None) -> Supervisor:
+    """Start every service of the profile and wait until all are ready; returns their supervisor."""
     profile = load_profile(profile_path)
     check_ports_free(profile)
     if profile.model.write_if_missing and not (pathlib.Path(profile.model.dir) / "COMPLETE").exists():
         log.info("writing the %s checkpoint to %s (first start)", profile.model.preset, profile.model.dir)
         subprocess.run(_python(checkpoint_command(profile)), check=True)
-    procs: list[subprocess.Popen] = []
+    supervisor = make_supervisor(profile, profile_path, policy, registry)
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     try:
-        commands = service_commands(profile_path)
         for name in STAGES:  # the stages load in parallel
-            procs.append(subprocess.Popen(_python(commands[name])))
-        for name, proc in zip(STAGES, procs):
-            _wait_healthy(name, profile, proc, deadline)
-        procs.append(subprocess.Popen(_python(commands["gateway"])))
-        _wait_healthy("gateway", profile, procs[-1], deadline)
+            supervisor.start(name)
+        _wait_ready(STAGES, profile, supervisor, deadline)
+        supervisor.start("gateway")
+        _wait_ready(("gateway",), profile, supervisor, deadline)
     except BaseException:
-        stop_all(procs)
+        supervisor.stop_all()
         raise
-    return procs
-
-
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every child, then SIGKILL what is still alive after the grace period."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return supervisor
 
 
 def _interrupt(*_args: object) -> None:
@@ -124,32 +149,39 @@ def _interrupt(*_args: object) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="configs/tiny_cpu.yaml")
+    parser.add_argument("--metrics-port", type=int, default=9100,
+                        help="the supervisor's Prometheus port on 127.0.0.1 (restarts per service); 0: none")
+    parser.add_argument("--crash-loop-exits", type=int, default=RestartPolicy.crash_loop_exits,
+                        help="exits of one service inside the window that stop the node")
+    parser.add_argument("--crash-loop-window", type=float, default=RestartPolicy.crash_loop_window_s,
+                        help="seconds of the crash-loop window")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     profile = load_profile(args.profile)
+    policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
+    registry = prometheus_client.CollectorRegistry()
+    if args.metrics_port:
+        prometheus_client.start_http_server(args.metrics_port, addr="127.0.0.1", registry=registry)
     # SIGTERM during start-up acts like Ctrl-C: bring_up() stops the children it already started.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        procs = bring_up(pathlib.Path(args.profile))
-    except RuntimeError as exc:
+        supervisor = bring_up(pathlib.Path(args.profile), policy, registry)
+    except (RuntimeError, CrashLoop, subprocess.CalledProcessError) as exc:
         log.error("%s", exc)
         return 1
     except KeyboardInterrupt:
         log.info("interrupted during start-up; the started services were stopped")
         return 1
     print(f"vitascope is up: open {_gateway_url(profile)}/  (Ctrl-C stops it)", flush=True)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())
+    signal.signal(signal.SIGINT, lambda *_: supervisor.stop())
     try:
-        while not stopping and all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    dead = [p.args for p in procs if p.poll() is not None]
-    stop_all(procs)
-    if dead and not stopping:
-        log.error("a service exited: %s", dead)
+        supervisor.run()
+    except CrashLoop as exc:
+        log.error("stopping the node: %s", exc)
         return 1
+    finally:
+        supervisor.stop_all()
     return 0
 
 

@@ -339,6 +339,14 @@ def summarize(opts, records, ttfc, warm_ttfc, startup, gpus: int, warm_first: di
     return "\n".join(lines)
 
 
+def baseline_profile(profile: Profile, device: torch.device) -> Profile:
+    """The profile of the one-GPU baseline DiT: the same model settings on `device`, no teacher graphs (its forward
+    runs no teacher), so none of the teacher options that need graphs or several ranks."""
+    dit = dataclasses.replace(profile.dit, devices=(str(device),), cuda_graphs=False, teacher_overlap=False,
+                              teacher_sharded=False, teacher_staged=False)
+    return dataclasses.replace(profile, dit=dit)
+
+
 def baseline(opts, device, model: DiT) -> dict:
     """One 10-latent phase forward without history (`tools.dit.probe`): diffusers' model vs ours on one GPU."""
     from diffusers import MiniMaxH3Transformer3DModel
@@ -499,8 +507,7 @@ def main() -> None:
     base = None
     if opts.baseline:  # one GPU, a fresh DiT built like the profile's (FP8, AdaLN cache, LoRA)
         torch.cuda.empty_cache()
-        single = dataclasses.replace(profile, dit=dataclasses.replace(profile.dit, devices=(str(device),),
-                                                                      cuda_graphs=False))  # no teacher here
+        single = baseline_profile(profile, device)
         with torch.inference_mode():
             base = baseline(opts, device, build_runtime(single, device).model)
     if base is not None:

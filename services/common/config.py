@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,10 @@ class Endpoints:
     def port_of(self, name: str) -> int:
         """The port part of one endpoint."""
         return int(getattr(self, name).rsplit(":", 1)[1])
+
+    def host_of(self, name: str) -> str:
+        """The host part of one endpoint: where that stage listens (loopback in every shipped profile)."""
+        return getattr(self, name).rsplit(":", 1)[0].strip("[]")
 
 
 @dataclass(frozen=True)
@@ -276,6 +281,38 @@ class VAEConfig:
 
 
 @dataclass(frozen=True)
+class GatewayAuthConfig:
+    """Who may use the gateway (`gateway.auth`): tokens, browser origins, per-address limits (services/gateway/access.py)."""
+
+    enabled: bool = False
+    """Require a token on the realtime websocket (and on /metrics with `protect_metrics`)."""
+    tokens_file: str = ""
+    """A file with one token per line (`#` starts a comment); read once at start-up."""
+    tokens_env: str = ""
+    """The name of an environment variable holding comma-separated tokens; read once at start-up."""
+    protect_metrics: bool = False
+    """Require a token on /metrics too (a Prometheus scrape then sends it as a bearer token)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins allowed besides the page's own and loopback, e.g. `https://shop.example`."""
+    max_connections_per_address: int = 16
+    """Open websockets one client address may hold."""
+    starts_per_minute_per_address: int = 30
+    """`session.start` messages one client address may send in any 60 s."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in self.allowed_origins))
+        if self.enabled and not (self.tokens_file or self.tokens_env):
+            raise ValueError("gateway.auth.enabled needs gateway.auth.tokens_file or gateway.auth.tokens_env")
+        if self.max_connections_per_address < 1 or self.starts_per_minute_per_address < 1:
+            raise ValueError(f"gateway.auth limits max_connections_per_address={self.max_connections_per_address}, "
+                             f"starts_per_minute_per_address={self.starts_per_minute_per_address}: must be ≥ 1")
+        for origin in self.allowed_origins:
+            parts = urlsplit(origin)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
+                raise ValueError(f"gateway.auth.allowed_origins entry {origin!r}: write scheme://host[:port]")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The realtime websocket gateway's section; its canvases are also what the DiT and the VAE prepare for."""
 
@@ -326,8 +363,15 @@ class GatewayConfig:
     """Seconds to wait for the pipeline's last chunks after `session.stop` before giving up."""
     static_dir: str | None = None
     """Directory served at `/` (None: the page shipped in `services/gateway/static`)."""
+    auth: GatewayAuthConfig = field(default_factory=GatewayAuthConfig)
+    """Tokens, allowed browser origins and per-address limits (off by default: no token needed)."""
+    backend_wait_s: float = 30.0
+    """Seconds a new `session.start` waits for a stage that is down (restarting) before it gets
+    `backend_unavailable` naming the stage."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.auth, dict):
+            object.__setattr__(self, "auth", section(GatewayAuthConfig, self.auth, "gateway.auth"))
         object.__setattr__(self, "allowed_canvases", tuple(_canvas("gateway.allowed_canvases entry", c)
                                                            for c in _pairs(self.allowed_canvases)))
         object.__setattr__(self, "default_canvas", _canvas("gateway.default_canvas", self.default_canvas))
@@ -348,7 +392,7 @@ class GatewayConfig:
         if self.queue_limit < 0:
             raise ValueError(f"gateway.queue_limit={self.queue_limit}: must be >= 0 (0 disables waiting)")
         for name in ("start_timeout_s", "stall_timeout_s", "send_timeout_s", "heartbeat_s", "queue_poll_s",
-                     "drain_timeout_s"):
+                     "drain_timeout_s", "backend_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"gateway.{name}={getattr(self, name)}: must be > 0 seconds")
         if self.max_start_bytes < 1 or self.max_interaction_bytes < 1:

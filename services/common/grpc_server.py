@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -40,6 +41,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # a restarted stage is reconnected to within a second or two, however long it was down
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 HEALTH_NAMES = {
     "encoder": "vitascope.encoder.v1.Encoder",
@@ -49,6 +54,8 @@ HEALTH_NAMES = {
 """Readiness health service name of each stage (its gRPC service's full name)."""
 SHUTDOWN_GRACE_SECONDS = 5.0
 HEALTH_POLL_SECONDS = 1.0
+FAILED_EXIT_CODE = 3
+"""A stage's exit code when it broke for good while serving (its supervisor restarts it)."""
 
 
 class Stage(ABC):
@@ -76,8 +83,10 @@ Register = Callable[[grpc.aio.Server, Stage], None]
 
 
 async def serve(stage: Stage, health_name: str, register: Register, port: int, metrics_port: int = 0,
-                host: str = "0.0.0.0", ready: Callable[[], None] | None = None) -> None:
-    """Serve a stage until SIGTERM/SIGINT: liveness at once, readiness after start() and warmup()."""
+                host: str = "127.0.0.1", ready: Callable[[], None] | None = None,
+                metrics_host: str = "127.0.0.1") -> bool:
+    """Serve a stage until SIGTERM/SIGINT (True) or until it fails for good (False): liveness at once,
+    readiness after start() and warmup()."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -88,7 +97,7 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     if metrics_port:
-        prometheus_client.start_http_server(metrics_port)
+        prometheus_client.start_http_server(metrics_port, addr=metrics_host)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
@@ -107,12 +116,12 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
             ready()
         while not stop.is_set():
             if stage.failed:
-                log.error("%s failed; reporting NOT_SERVING", health_name)
+                log.error("%s failed for good; reporting NOT_SERVING and exiting to be restarted", health_name)
                 await health_servicer.set(health_name, health_pb2.HealthCheckResponse.NOT_SERVING)
-                break
+                return False
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), HEALTH_POLL_SECONDS)
-        await stop.wait()
+        return True
     finally:
         log.info("%s shutting down", health_name)
         await health_servicer.enter_graceful_shutdown()
@@ -129,6 +138,8 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     parser = argparse.ArgumentParser(description=f"vitascope {name} stage")
     parser.add_argument("--profile", required=True, help="deployment profile YAML (configs/*.yaml)")
     parser.add_argument("--port", type=int, help=f"override the profile's {name} port")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the Prometheus endpoint binds (default loopback; a pod's scrape needs 0.0.0.0)")
     if name != "dit":
         parser.add_argument("--device", help=f"override {name}.device")
     args = parser.parse_args()
@@ -137,4 +148,8 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     profile = load_profile(args.profile, {name: {"device": device}} if device else None)
     check_fits(profile, name)
     port = args.port or profile.endpoints.port_of(name)
-    asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port, getattr(profile, name).metrics_port))
+    host = profile.endpoints.host_of(name)  # the stage listens where the profile says it is, nowhere else
+    stopped = asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port,
+                                getattr(profile, name).metrics_port, host=host, metrics_host=args.metrics_host))
+    if not stopped:  # broken for good (a DiT group lost a rank): exit, so the supervisor starts it afresh
+        sys.exit(FAILED_EXIT_CODE)

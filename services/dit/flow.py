@@ -17,7 +17,8 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
-from services.common.errors import SequenceMismatch
+from services.common.errors import InvalidInput, SequenceMismatch
+from services.common.media import PHASES_PER_REQUEST
 from services.dit.api import DiTSession, PhaseAck, PhaseOutput, PromptArrival, PromptUpdate, RequestEvent, SessionConfig
 
 T = TypeVar("T")
@@ -166,10 +167,14 @@ class SessionFlow:
         self._requests = asyncio.create_task(self.reader.run(session))
 
     async def generate(self, session: DiTSession, render: Callable[[PhaseOutput], Awaitable[T]],
-                       write: Callable[[T], Awaitable[None]], between: Callable[[], Awaitable[None]]) -> None:
-        """Generate phases while the credit allows, until the request stream ends. Each phase is `render`ed, counted
-        as sent, then `write`n; `between()` runs before each wait for credit and after it (the transport's own
-        messages). Raises the request reader's error if reading failed, else generation's."""
+                       write: Callable[[T], Awaitable[None]], between: Callable[[], Awaitable[None]],
+                       max_requests: int = 0) -> None:
+        """Generate phases while the credit allows, until the request stream ends or, with `max_requests`, the last
+        phase of request `max_requests - 1` was written (the budget: nothing past it is generated). Each phase is
+        `render`ed, counted as sent, then `write`n; `between()` runs before each wait for credit and after it (the
+        transport's own messages). Raises the request reader's error if reading failed, else generation's."""
+        if max_requests < 0:
+            raise InvalidInput(f"max_requests={max_requests}: must be ≥ 0 (0: no budget)")
         try:
             while True:
                 await between()
@@ -180,6 +185,10 @@ class SessionFlow:
                 rendered = await render(out)
                 self.credit.sent(out.meta.request_index, out.meta.phase_index)
                 await write(rendered)
+                last_of_request = out.meta.phase_index == PHASES_PER_REQUEST - 1
+                if max_requests and last_of_request and out.meta.request_index >= max_requests - 1:
+                    await between()
+                    return
         except Exception as exc:
             error = self.credit.error  # the request reader's error cancels the session: it is the cause
             if error is None or error is exc:

@@ -190,8 +190,9 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
             try:
                 await context.write(dit_pb2.StreamResponse(started=dit_pb2.Started(
                     kv_capacity_rows=session.kv.capacity if session.kv is not None else 0)))
-                await flow.generate(session, render, write, releases)
-                log.info("session ended: the client closed its request stream")
+                await flow.generate(session, render, write, releases, max_requests=start.max_requests)
+                log.info("session ended: %s", f"its budget of {start.max_requests} request(s) was generated"
+                         if start.max_requests else "the client closed its request stream")
             except asyncio.CancelledError:
                 log.info("session cancelled by the client")
                 raise

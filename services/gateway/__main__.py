@@ -3,21 +3,23 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 
 from aiohttp import web
 
 from services.common.config import Endpoints, GatewayConfig, load_profile
 from services.common.logging_setup import configure_logging
+from services.gateway.access import Access, load_tokens
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.ws import create_app
 
 
-async def run(config: GatewayConfig, endpoints: Endpoints) -> None:
+async def run(config: GatewayConfig, endpoints: Endpoints, access: Access) -> None:
     """Serve until SIGTERM / Ctrl-C, then close the sessions and the backend channels."""
     pipeline = GrpcPipeline(endpoints.encoder, endpoints.dit, endpoints.vae,  # channels bind to this loop
                             drain_timeout_s=config.drain_timeout_s)
-    runner = web.AppRunner(create_app(config, pipeline))
+    runner = web.AppRunner(create_app(config, pipeline, access=access))
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     logging.getLogger("services.gateway").info("gateway listening on http://%s:%d/", config.host, config.port)
@@ -41,7 +43,11 @@ def main() -> None:
     config = profile.gateway
     if args.port is not None:
         config = dataclasses.replace(config, port=args.port)
-    asyncio.run(run(config, profile.endpoints))
+    access = Access(config.auth, load_tokens(config.auth, os.environ))  # tokens read here only, never logged
+    if config.auth.enabled:
+        logging.getLogger("services.gateway").info("gateway auth on: a token is needed on the websocket%s",
+                                                   " and /metrics" if config.auth.protect_metrics else "")
+    asyncio.run(run(config, profile.endpoints, access))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import grpc
 from services.common import tracing
 from services.common.grpc_server import CHANNEL_OPTIONS, HEALTH_NAMES
 from services.common.host_identity import process_hello
-from services.common.media import AUDIO_SAMPLE_RATE
+from services.common.media import AUDIO_SAMPLE_RATE, PHASES_PER_REQUEST
 from services.gateway.pipeline import (
     BackendBusy,
     BackendFailed,
@@ -58,11 +58,11 @@ from services.gateway.pipeline import (
     SessionRequest,
     StageTimings,
 )
+from services.gateway.stage_health import StageHealth
 from vitascope.common.v1 import tensor_pb2, transport_pb2, transport_pb2_grpc
 from vitascope.dit.v1 import dit_pb2, dit_pb2_grpc
 from vitascope.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from vitascope.vae.v1 import vae_pb2, vae_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,15 @@ def decode_seconds(reply: vae_pb2.DecodeResponse) -> float:
     return max(reply.video_decode_seconds, reply.audio_decode_seconds)
 
 
-def pipeline_error(stage: str, exc: grpc.RpcError) -> PipelineError:
-    """Map a stage's gRPC status to the gateway's error kinds (the one mapping point)."""
+def pipeline_error(stage: str, exc: grpc.RpcError, during_session: bool = False) -> PipelineError:
+    """Map a stage's gRPC status to the gateway's error kinds (the one mapping point). `during_session`: the call
+    broke while the session ran, so a stage that became unreachable failed it (`backend_failed`, naming the stage)
+    rather than being unavailable to a new one."""
     code, detail = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(f"{stage}: {detail}")
+    if during_session:
+        return BackendFailed(f"the {stage} stage failed during the session ({code.name}): {detail}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return BackendBusy(f"{stage}: {detail}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -111,20 +115,23 @@ class GrpcPipeline(Pipeline):
         self.encoder = encoder_pb2_grpc.EncoderStub(self._channels["encoder"])
         self.dit = dit_pb2_grpc.DiTStub(self._channels["dit"])
         self.vae = vae_pb2_grpc.VAEStub(self._channels["vae"])
+        # a stage that went down may come back as another process: its hello (pid, GPUs) is asked again
+        self.stage_health = StageHealth(self._channels, HEALTH_NAMES, on_down=lambda name: self._hellos.pop(name, None))
 
     async def health(self) -> bool:
-        """True when every stage reports its named service SERVING."""
-        for name, channel in self._channels.items():
-            try:
-                reply = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=HEALTH_NAMES[name]), timeout=2)
-            except grpc.RpcError:
-                self._hellos.pop(name, None)  # it may come back as another process
-                return False
-            if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                self._hellos.pop(name, None)
-                return False
-        return True
+        """True when every stage reports its named service SERVING (as the health watches last saw it)."""
+        self.stage_health.start()
+        return not self.stage_health.down()
+
+    def stages_down(self) -> list[str]:
+        """The stages not SERVING now."""
+        self.stage_health.start()
+        return self.stage_health.down()
+
+    async def wait_ready(self, timeout_s: float) -> list[str]:
+        """Wait up to `timeout_s` for every stage to serve; the stages still down."""
+        self.stage_health.start()
+        return await self.stage_health.wait_ready(timeout_s)
 
     async def transport_hello(self, name: str) -> tensor_pb2.TransportHello:
         """The `TransportHello` of stage `name` (cached); empty (host bytes) when IPC is off or the stage has no
@@ -194,7 +201,8 @@ class GrpcPipeline(Pipeline):
         return session
 
     async def close(self) -> None:
-        """Close every channel."""
+        """Stop watching the stages and close every channel."""
+        await self.stage_health.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -239,7 +247,7 @@ class GrpcSession(PipelineSession):
         try:
             await self._dit_call.write(dit_pb2.StreamRequest(start=dit_pb2.SessionStart(
                 session_id=req.request_id, seed=req.seed, width=req.width, height=req.height, hold=hold,
-                consumer=self.vae_hello)))
+                consumer=self.vae_hello, max_requests=req.max_requests)))
             await self._write_prompt("", parts, dit_pb2.PROMPT_ROLE_ACTIVE)
             if fallback is not None:
                 await self._write_prompt("", fallback, dit_pb2.PROMPT_ROLE_FALLBACK)
@@ -293,6 +301,8 @@ class GrpcSession(PipelineSession):
                     meta = self._metas[-1]
                     await self._vae_call.write(vae_pb2.DecodeRequest(phase_end=vae_pb2.PhaseEnd(
                         request_index=meta.request_index, phase_index=meta.phase_index, trace=meta.trace)))
+                    if self._ends_budget(meta):  # nothing past the budget reaches the VAE, whatever the DiT sends
+                        return
                 elif kind == "prompt_release":
                     await self._prompt_copied(reply.prompt_release)
         finally:
@@ -352,15 +362,20 @@ class GrpcSession(PipelineSession):
         except grpc.RpcError as exc:
             if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
                 return
-            raise pipeline_error("vae", exc) from None
+            raise pipeline_error("vae", exc, during_session=True) from None
         finally:
             self._abort_vae()  # whoever stops reading ends the VAE call (a no-op once it has finished)
         if self._pump is not None and self._pump.done() and not self._cancelled:
             exc = self._pump.exception()
             if isinstance(exc, grpc.RpcError):
-                raise pipeline_error("dit", exc)
+                raise pipeline_error("dit", exc, during_session=True)
             if exc is not None:
                 raise BackendFailed(f"dit → vae forwarding failed: {exc}")
+
+    def _ends_budget(self, meta: dit_pb2.PhaseMeta) -> bool:
+        """True when `meta` is the last phase of the session's frame budget."""
+        budget = self.request.max_requests
+        return bool(budget) and meta.request_index >= budget - 1 and meta.phase_index == PHASES_PER_REQUEST - 1
 
     def _trailer(self, data: bytes, reply: vae_pb2.DecodeResponse) -> MediaChunk:
         """The stream's closing bytes (the decoder's held-back last frames and audio, the muxer's closing

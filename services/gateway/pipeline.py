@@ -65,9 +65,10 @@ class BackendUnavailable(PipelineError, ServerError):
 
 
 class BackendFailed(PipelineError, ServerError):
-    """A backend stage failed while serving the session (an INTERNAL status, a broken stream)."""
+    """A backend stage failed while serving the session (an INTERNAL status, a broken stream, a process that
+    died); the message names the stage."""
 
-    code = "internal_error"
+    code = "backend_failed"
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,15 @@ class SessionRequest:
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Remaining `extra_params` entries the gateway did not interpret, passed through untouched."""
 
+    max_requests: int = 0
+    """The frame budget in whole 5 s requests (0: until stopped): the backend generates and delivers nothing past
+    the last phase of request `max_requests - 1`."""
+
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("SessionRequest.prompt is empty")
+        if self.max_requests < 0:
+            raise ValueError(f"SessionRequest.max_requests={self.max_requests} must be >= 0 (0: no budget)")
         if self.width <= 0 or self.height <= 0 or self.fps <= 0:
             raise ValueError(
                 f"SessionRequest canvas/fps must be positive, got {self.width}x{self.height}@{self.fps}"
@@ -230,3 +237,11 @@ class Pipeline(ABC):
     @abstractmethod
     async def health(self) -> bool:
         """Report whether every backend stage is serving."""
+
+    def stages_down(self) -> list[str]:
+        """The backend stages not serving now (none known: a backend that does not watch its stages)."""
+        return []
+
+    async def wait_ready(self, timeout_s: float) -> list[str]:
+        """Wait up to `timeout_s` for every stage to serve; the stages still down (empty: ready)."""
+        return self.stages_down()

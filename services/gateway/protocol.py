@@ -110,6 +110,7 @@ class ErrorCode(str, Enum):
     CANVAS_NOT_ALLOWED = "canvas_not_allowed"
     FPS_NOT_ALLOWED = "fps_not_allowed"
     QUEUE_FULL = "queue_full"
+    RATE_LIMITED = "rate_limited"
     INVALID_REQUEST = "invalid_request"
     START_TIMEOUT = "start_timeout"
     SESSION_NOT_STARTED = "session_not_started"
@@ -120,6 +121,7 @@ class ErrorCode(str, Enum):
     INTERACTION_FAILED = "interaction_failed"
     STALL_TIMEOUT = "stall_timeout"
     BACKEND_UNAVAILABLE = "backend_unavailable"
+    BACKEND_FAILED = "backend_failed"
     BACKEND_BUSY = "backend_busy"
     INTERNAL_ERROR = "internal_error"
 
@@ -127,6 +129,7 @@ class ErrorCode(str, Enum):
 ERROR_FAULTS: Mapping[ErrorCode, Fault] = MappingProxyType({
     **{code: "client" for code in ErrorCode},
     ErrorCode.BACKEND_UNAVAILABLE: "server",
+    ErrorCode.BACKEND_FAILED: "server",
     ErrorCode.INTERNAL_ERROR: "server",
 })
 """Whose fault each code is (`error.fault`) when the message does not say otherwise: only

@@ -31,6 +31,7 @@ from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PH
 from services.common.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import (
+    BackendUnavailable,
     MediaChunk,
     Pipeline,
     PipelineError,
@@ -161,6 +162,7 @@ class SessionService:
             request_id=request_id, prompt=start.prompt,
             seed=start.seed if start.seed is not None else cfg.default_seed,
             width=width, height=height, fps=cfg.fps, hold=start.hold, extra=start.extra_params,
+            max_requests=requests_for_frames(start.num_frames) if start.num_frames is not None else 0,
         )
 
     def open(self, start: SessionStart, sink: MessageSink) -> Session:
@@ -187,7 +189,8 @@ class SessionService:
         except Exception:  # noqa: BLE001 - health must answer, whatever the backend raised
             logger.exception("pipeline health check failed")
             ok = False
-        return {"ok": ok, "sessions_active": self.scheduler.num_active,
+        down = self.pipeline.stages_down()
+        return {"ok": ok and not down, "stages_down": down, "sessions_active": self.scheduler.num_active,
                 "sessions_queued": self.scheduler.num_waiting,
                 "slots": self.scheduler.num_slots, "queue_limit": self.scheduler.queue_limit}
 
@@ -199,7 +202,7 @@ class Session:
                  pacing: PacingSettings | None = None, *, num_frames: int | None = None) -> None:
         self._service = service
         self._num_frames = num_frames
-        self._max_requests = requests_for_frames(num_frames) if num_frames is not None else None
+        self._max_requests = request.max_requests or None  # the frame budget in whole requests
         self._pacing = pacing
         self._pacer = MediaPacer(pacing) if pacing is not None else None
         self._cfg = service.config
@@ -379,6 +382,10 @@ class Session:
         gateway's cancel returns at once, but a DiT group frees a cancelled session only at its next check
         between forwards. Such a start is retried until the deadline.
         """
+        down = await self._service.pipeline.wait_ready(self._cfg.backend_wait_s)
+        if down:  # a stage is restarting (or gone): say which, rather than hang on it
+            raise BackendUnavailable(f"stage {', '.join(down)} not serving after {self._cfg.backend_wait_s:g} s; "
+                                     "the node restarts failed stages: try again shortly")
         deadline = time.monotonic() + self._cfg.stall_timeout_s
         logged = False
         while True:
@@ -405,7 +412,12 @@ class Session:
         iterator = pipe.chunks().__aiter__()
         stop_wait = asyncio.ensure_future(self._stop_requested.wait())
         try:
+            budget_spent = False
             while (chunk := await self._next_chunk(pipe, iterator, stop_wait)) is not None:
+                if budget_spent and chunk.kind == "media":  # after the budget only the trailer goes out
+                    logger.error("session %s: the backend sent a chunk past the frame budget (request %d phase %d); "
+                                 "dropped", self.request_id, chunk.request_index, chunk.phase_index)
+                    continue
                 now = time.monotonic()
                 self._last_progress = now
                 if chunk.kind == "media":
@@ -419,7 +431,9 @@ class Session:
                     if delay > 0:
                         await asyncio.wait({stop_wait}, timeout=delay)
                 await self._send_chunk(chunk)
-                if self._drain_deadline is None and self._ends_budget(chunk):
+                if not budget_spent and self._ends_budget(chunk):
+                    budget_spent = True
+                if self._drain_deadline is None and budget_spent:
                     # The frame budget is spent: end the stream as a completed one (trailer, session.done).
                     self._drain_deadline = time.monotonic() + self._cfg.drain_timeout_s
                     await self._cancel_pipe(pipe)

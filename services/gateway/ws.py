@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from services.common.config import GatewayConfig
+from services.gateway.access import Access, Refusal
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.protocol import (
@@ -42,6 +43,7 @@ REALTIME_PATH = "/v1/realtime/video"
 SERVICE_KEY = web.AppKey("session_service", SessionService)
 CONFIG_KEY = web.AppKey("gateway_config", GatewayConfig)
 REGISTRY_KEY = web.AppKey("metrics_registry", CollectorRegistry)
+ACCESS_KEY = web.AppKey("access", Access)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 # Errors about a frame that is not recognisably a session.start keep a not-yet-started
@@ -57,15 +59,17 @@ _CLOSE_CODES = {
 }
 
 
-def create_app(config: GatewayConfig, pipeline: Pipeline,
-               registry: CollectorRegistry | None = None) -> web.Application:
-    """Build the gateway's aiohttp application (metrics go to `registry`, a fresh one if None)."""
+def create_app(config: GatewayConfig, pipeline: Pipeline, registry: CollectorRegistry | None = None,
+               access: Access | None = None) -> web.Application:
+    """Build the gateway's aiohttp application (metrics go to `registry`, a fresh one if None; `access`: the
+    token, origin and per-address checks, built from `config.auth` without tokens if None)."""
     registry = registry if registry is not None else CollectorRegistry()
     service = SessionService(config, pipeline, GatewayMetrics(registry))
     app = web.Application()
     app[SERVICE_KEY] = service
     app[CONFIG_KEY] = config
     app[REGISTRY_KEY] = registry
+    app[ACCESS_KEY] = access if access is not None else Access(config.auth)
     static_dir = Path(config.static_dir) if config.static_dir else STATIC_DIR
     index = static_dir / "index.html"
 
@@ -86,24 +90,49 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response(report, status=200 if report["ok"] else 503)
 
 
+def refused(refusal: Refusal) -> web.Response:
+    """The HTTP answer to a refused request: its status and a protocol-shaped error body."""
+    headers = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None
+    return web.json_response({"type": "error", "code": refusal.code, "message": refusal.message,
+                              "fault": "client"}, status=refusal.status, headers=headers)
+
+
 async def metrics(request: web.Request) -> web.Response:
-    """Expose the Prometheus registry."""
+    """Expose the Prometheus registry (behind the token when `gateway.auth.protect_metrics`)."""
+    access = request.app[ACCESS_KEY]
+    if access.config.protect_metrics:
+        refusal = access.check_token(request.headers, request.query)
+        if refusal is not None:
+            return refused(refusal)
     body = generate_latest(request.app[REGISTRY_KEY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def realtime_video(request: web.Request) -> web.WebSocketResponse:
-    """Serve one realtime session over a websocket."""
-    config = request.app[CONFIG_KEY]
-    ws = web.WebSocketResponse(max_msg_size=config.max_frame_bytes, heartbeat=config.heartbeat_s)
-    await ws.prepare(request)
-    connection = _Connection(ws, request.transport, request.app[SERVICE_KEY], config)
+async def realtime_video(request: web.Request) -> web.StreamResponse:
+    """Serve one realtime session over a websocket, once the origin, the token and the address's limit allow."""
+    config, access = request.app[CONFIG_KEY], request.app[ACCESS_KEY]
+    refusal = (access.check_origin(request.headers.get("Origin"), request.host)
+               or access.check_token(request.headers, request.query))
+    if refusal is not None:
+        logger.info("websocket from %s refused: %s", request.remote, refusal.code)
+        return refused(refusal)
+    address = request.remote or "unknown"
+    refusal = access.open_connection(address)
+    if refusal is not None:
+        return refused(refusal)
     try:
-        await connection.serve()
+        ws = web.WebSocketResponse(max_msg_size=config.max_frame_bytes, heartbeat=config.heartbeat_s)
+        await ws.prepare(request)
+        connection = _Connection(ws, request.transport, request.app[SERVICE_KEY], config,
+                                 lambda: access.allow_start(address))
+        try:
+            await connection.serve()
+        finally:
+            if not ws.closed:
+                await ws.close()
+        return ws
     finally:
-        if not ws.closed:
-            await ws.close()
-    return ws
+        access.close_connection(address)
 
 
 class _WebSocketSink:
@@ -154,8 +183,10 @@ class _Connection:
     """One websocket: waits for session.start, then runs the session and reads control frames."""
 
     def __init__(self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None,
-                 service: SessionService, config: GatewayConfig) -> None:
+                 service: SessionService, config: GatewayConfig,
+                 allow_start: Callable[[], Refusal | None] = lambda: None) -> None:
         self._ws = ws
+        self._allow_start = allow_start
         self._service = service
         self._config = config
         self._sink = _WebSocketSink(ws, transport, config.send_timeout_s)
@@ -213,6 +244,10 @@ class _Connection:
             try:
                 message = self._parse_before_start(msg)
                 if isinstance(message, SessionStart):
+                    refusal = self._allow_start()
+                    if refusal is not None:
+                        self._service.metrics.sessions_total.labels(outcome="rejected").inc()
+                        raise ProtocolError(ErrorCode.RATE_LIMITED, refusal.message)
                     return self._service.open(message, self._sink)
                 if isinstance(message, SessionPing):
                     await self._sink.send(Pong())

@@ -291,8 +291,9 @@ def test_overlay_matches_its_profile(overlay, profile):
 
     docs = render(K8S / "overlays" / overlay)
     pod = _deployment(docs)["spec"]["template"]["spec"]
-    for container in pod["containers"]:
-        assert container["args"] == ["--profile", f"configs/{profile}.yaml"]
+    for container in pod["containers"]:  # the stages' metrics bind the pod's address, for the metrics Service
+        scraped = ["--metrics-host", "0.0.0.0"] if container["name"] != "gateway" else []
+        assert container["args"] == ["--profile", f"configs/{profile}.yaml", *scraped]
     claim = _by_key(docs)[("ResourceClaimTemplate", "vitascope-gpus")]
     count = claim["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"]
     assert count == len(load_profile(ROOT / f"configs/{profile}.yaml").dit.devices)

@@ -263,6 +263,25 @@ async def test_closing_the_request_stream_ends_the_call():
     assert sum(r.WhichOneof("kind") == "phase_end" for r in replies) <= 2
 
 
+
+async def test_the_dit_generates_no_phase_past_the_session_budget():
+    async with Stages(3) as stages, grpc.aio.insecure_channel(stages.addr) as channel:
+        call = dit_pb2_grpc.DiTStub(channel).Stream()
+        await call.write(dit_pb2.StreamRequest(start=dit_pb2.SessionStart(session_id="budget", seed=1, width=64,
+                                                                           height=64, max_requests=2)))
+        for part in tensor_to_parts(torch.ones(3, 8)):
+            await call.write(dit_pb2.StreamRequest(prompt=dit_pb2.PromptPart(event_id="", embedding=part)))
+        assert (await call.read()).WhichOneof("kind") == "started"
+        phases = []
+        while (reply := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
+            if reply.WhichOneof("kind") == "meta":
+                phases.append((reply.meta.request_index, reply.meta.phase_index))
+                await call.write(dit_pb2.StreamRequest(ack=dit_pb2.PhaseAck(
+                    request_index=reply.meta.request_index, phase_index=reply.meta.phase_index)))
+        assert await call.code() == grpc.StatusCode.OK  # the stream ends by itself, with the budget's last phase
+    assert phases == [(k // 4, k % 4) for k in range(8)]
+    assert stages.dit.sessions[0].started == 8 and stages.dit.sessions[0].cancel_token.cancelled  # slot freed
+
 def test_phase_credit_rejects_bad_acks_and_window():
     credit = PhaseCredit(2)
     with pytest.raises(SequenceMismatch, match="no phase is unacknowledged"):
@@ -368,3 +387,43 @@ async def test_a_vae_that_does_not_finish_after_cancel_is_cancelled_at_the_drain
         ended = time.monotonic()
     assert ended - stages.cancelled_at < 0.9  # the gateway did not wait for the VAE
     assert [c.kind for c in chunks] == ["media"] * len(chunks) and len(chunks) >= 2
+
+
+async def _budget_session(stages: Stages, max_requests: int) -> list:
+    """A session with a frame budget of `max_requests` requests, read by a slow consumer (the DiT far ahead)."""
+    pipeline = GrpcPipeline(stages.addr, stages.addr, stages.addr)
+    chunks = []
+    try:
+        session = await pipeline.start(SessionRequest(request_id="budget", prompt="first", seed=1, width=64,
+                                                      height=64, fps=24, max_requests=max_requests))
+        async for chunk in session.chunks():
+            chunks.append(chunk)
+            await asyncio.sleep(0.05)  # the DiT may run max_phases_ahead phases ahead meanwhile
+        await session.cancel()
+    finally:
+        await pipeline.close()
+    return chunks
+
+
+async def test_no_phase_past_the_frame_budget_reaches_the_vae_or_the_client():
+    async with Stages(3) as stages:
+        chunks = await asyncio.wait_for(_budget_session(stages, max_requests=2), 30)
+        dit_session, vae_session = stages.dit.sessions[0], stages.vae.sessions[0]
+    assert [c.data for c in chunks] == [b"phase-%d" % i for i in range(8)] + [TRAILER]
+    assert chunks[-1].kind == "trailer" and dit_session.started == 8 and vae_session.closed
+
+
+async def test_a_dit_that_ignores_the_budget_still_gets_no_phase_past_it_to_the_vae(monkeypatch):
+    from services.dit.flow import SessionFlow
+
+    generate = SessionFlow.generate
+
+    async def unbounded(self, session, render, write, between, max_requests=0):  # an older DiT: no budget
+        await generate(self, session, render, write, between)
+
+    monkeypatch.setattr(SessionFlow, "generate", unbounded)
+    async with Stages(3) as stages:
+        chunks = await asyncio.wait_for(_budget_session(stages, max_requests=1), 30)
+        dit_session = stages.dit.sessions[0]
+    assert [c.data for c in chunks] == [b"phase-%d" % i for i in range(4)] + [TRAILER]
+    assert dit_session.started > 4  # it did run ahead, and the pump kept that from the VAE

@@ -27,7 +27,7 @@ import yaml
 from services.dit.group.launch import free_port
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.pipeline import MediaChunk, SessionRequest
-from services.up import bring_up, stop_all
+from services.up import bring_up
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -70,14 +70,14 @@ def stages(request, tmp_path_factory) -> Stages:
     raw["gateway"]["port"] = free_port("127.0.0.1")
     profile = tmp / "profile.yaml"
     profile.write_text(yaml.safe_dump(raw))
-    procs = bring_up(profile)
+    supervisor = bring_up(profile)
     try:
         yield Stages(raw["endpoints"]["encoder"], raw["endpoints"]["dit"], raw["endpoints"]["vae"],
                      f"http://127.0.0.1:{raw['dit']['metrics_port']}/metrics",
                      f"http://127.0.0.1:{raw['vae']['metrics_port']}/metrics",
                      f"http://127.0.0.1:{raw['encoder']['metrics_port']}/metrics", vae_device)
     finally:
-        stop_all(procs)
+        supervisor.stop_all()
 
 
 def _metrics(url: str) -> dict[tuple[str, frozenset], float]:

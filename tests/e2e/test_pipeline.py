@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from services.client import ClientOptions, stream
-from services.up import bring_up, stop_all
+from services.up import SERVICES, bring_up
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
@@ -74,13 +74,14 @@ def system(tmp_path_factory) -> System:
     raw["gateway"]["allowed_canvases"] = [*raw["gateway"]["allowed_canvases"], list(DIT_ONLY_CANVAS)]
     profile = tmp / "profile.yaml"
     profile.write_text(yaml.safe_dump(raw))
-    procs = bring_up(profile)
+    supervisor = bring_up(profile)
+    procs = [supervisor.process(name) for name in SERVICES]
     try:
         yield System(ws_url=f"ws://127.0.0.1:{port}/v1/realtime/video", http_url=f"http://127.0.0.1:{port}",
                      dit_metrics_url=f"http://127.0.0.1:{dit_metrics}/metrics",
                      max_prompt_chars=int(raw["gateway"].get("max_prompt_chars", 2000)), profile=profile)
     finally:
-        stop_all(procs)
+        supervisor.stop_all()
     assert all(p.returncode is not None for p in procs)
 
 

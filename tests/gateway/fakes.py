@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.media import AUDIO_SAMPLE_RATE as SAMPLE_RATE
 from services.common.config import GatewayConfig
+from services.gateway.access import Access
 from services.gateway.pipeline import (
     BackendBusy,
     InvalidRequest,
@@ -180,6 +181,17 @@ class FakePipeline(Pipeline):
         """Starts refused with backend_busy (the previous session not yet released)."""
         self.busy_until = 0.0
         """Loop time until which the backend is still releasing a cancelled session."""
+        self.down: list[str] = []
+        """Stages reported not serving (a restarting stage)."""
+
+    def stages_down(self) -> list[str]:
+        return list(self.down)
+
+    async def wait_ready(self, timeout_s: float) -> list[str]:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.down and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        return list(self.down)
 
     async def start(self, request: SessionRequest) -> PipelineSession:
         if self.behaviour.start_error is not None:
@@ -208,10 +220,10 @@ def small_config(**overrides) -> GatewayConfig:
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(config: GatewayConfig, pipeline: Pipeline,
-                          registry: CollectorRegistry | None = None) -> AsyncIterator[TestServer]:
+async def running_gateway(config: GatewayConfig, pipeline: Pipeline, registry: CollectorRegistry | None = None,
+                          access: Access | None = None) -> AsyncIterator[TestServer]:
     """Serve the gateway on 127.0.0.1 with an ephemeral port; yields the aiohttp TestServer."""
-    server = TestServer(create_app(config, pipeline, registry), host="127.0.0.1", port=0)
+    server = TestServer(create_app(config, pipeline, registry, access), host="127.0.0.1", port=0)
     await server.start_server()
     try:
         yield server
@@ -259,10 +271,12 @@ def ws_url(server: TestServer) -> str:
     return str(server.make_url("/v1/realtime/video")).replace("http://", "ws://", 1)
 
 
-async def run_good_session(server: TestServer, prompt: str = "a good session") -> Transcript:
+async def run_good_session(server: TestServer, prompt: str = "a good session", token: str | None = None
+                           ) -> Transcript:
     """Run one session to session.done and the server's close; fail if anything else happens."""
     transcript = Transcript()
-    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server)) as ws:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(server), headers=headers) as ws:
         await ws.send_json({"type": "session.start", "prompt": prompt})
         done = await read_until(ws, transcript, until="session.done")
         await read_until(ws, transcript)

@@ -128,7 +128,7 @@ def test_server_messages_serialise_to_wire_names():
 def test_every_error_code_says_whose_fault_it_is():
     assert set(ERROR_FAULTS) == set(ErrorCode) and set(ERROR_FAULTS.values()) == {"client", "server"}
     server_side = {code for code, fault in ERROR_FAULTS.items() if fault == "server"}
-    assert server_side == {ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.INTERNAL_ERROR}
+    assert server_side == {ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.BACKEND_FAILED, ErrorCode.INTERNAL_ERROR}
     assert ErrorMessage(ErrorCode.INVALID_VALUE, "bad seed").to_wire()["fault"] == "client"
     assert ErrorMessage(ErrorCode.INTERNAL_ERROR, "boom").to_wire()["fault"] == "server"
     # interaction_failed takes the side of the backend error behind it
@@ -155,8 +155,8 @@ class _RpcError(grpc.RpcError):
     (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest, "invalid_request", "client"),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, BackendBusy, "backend_busy", "client"),
     (grpc.StatusCode.UNAVAILABLE, BackendUnavailable, "backend_unavailable", "server"),
-    (grpc.StatusCode.INTERNAL, BackendFailed, "internal_error", "server"),
-    (grpc.StatusCode.FAILED_PRECONDITION, BackendFailed, "internal_error", "server"),  # the gateway's own order
+    (grpc.StatusCode.INTERNAL, BackendFailed, "backend_failed", "server"),
+    (grpc.StatusCode.FAILED_PRECONDITION, BackendFailed, "backend_failed", "server"),  # the gateway's own order
 ])
 def test_a_stage_status_becomes_a_gateway_error_on_the_right_side(status, kind, code, fault):
     error = pipeline_error("dit", _RpcError(status))

@@ -130,7 +130,7 @@ async def test_second_client_waits_with_positions_and_starts_when_first_ends():
             assert (await read_until(b, tb, until="session.queued"))["position"] == 1
             await c.send_json({"type": "session.start", "prompt": "third"})
             assert (await read_until(c, tc, until="session.queued"))["position"] == 2
-            assert (await healthz(server))[1] == {"ok": True, "sessions_active": 1, "sessions_queued": 2,
+            assert (await healthz(server))[1] == {"ok": True, "stages_down": [], "sessions_active": 1, "sessions_queued": 2,
                                                  "slots": 1, "queue_limit": 2}
             await a.send_json({"type": "session.stop"})
             await read_until(a, ta, until="session.done")
@@ -220,7 +220,7 @@ async def test_pings_keep_a_session_without_progress_alive():
 
 @pytest.mark.parametrize("start_error,code,fault", [
     pytest.param(BackendUnavailable("dit is not serving"), "backend_unavailable", "server", id="unavailable"),
-    pytest.param(BackendFailed("dit failed (INTERNAL): dit is not serving"), "internal_error", "server",
+    pytest.param(BackendFailed("dit failed (INTERNAL): dit is not serving"), "backend_failed", "server",
                  id="stage-internal"),
     pytest.param(InvalidRequest("vae: dit is not serving this canvas"), "invalid_request", "client",
                  id="stage-invalid-argument"),

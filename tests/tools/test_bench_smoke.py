@@ -92,3 +92,22 @@ def test_all_to_all_bench_times_both_exchanges_of_every_row_count():
     assert [m.crossing_bytes for m in measured] == [64 * 3 * 2 * 32 * 2, 64 * 2 * 32 * 2,
                                                     128 * 3 * 2 * 32 * 2, 128 * 2 * 32 * 2]
     assert all(m.seconds > 0 for m in measured)
+
+
+@pytest.mark.cpu
+def test_the_one_gpu_baseline_profile_drops_the_teacher_options_a_single_rank_cannot_have():
+    import dataclasses
+
+    import torch
+
+    from services.common.config import load_profile
+    from tools.bench import baseline_profile
+
+    usp2 = load_profile(ROOT / "configs" / "usp2_fp8.yaml")
+    overlapping = dataclasses.replace(usp2, dit=dataclasses.replace(usp2.dit, teacher_overlap=True,
+                                                                    teacher_sharded=False))
+    for profile in (usp2, overlapping):  # --teacher-overlap --baseline crashed here after the session
+        single = baseline_profile(profile, torch.device("cuda:0"))
+        assert single.dit.devices == ("cuda:0",) and not single.dit.cuda_graphs
+        assert not (single.dit.teacher_overlap or single.dit.teacher_sharded or single.dit.teacher_staged)
+        assert (single.dit.fp8, single.dit.adaln_cache) == (profile.dit.fp8, profile.dit.adaln_cache)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vitascope.common.v1 import tensor_pb2 as vitascope_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avitascope/dit/v1/dit.proto\x12\x10vitascope.dit.v1\x1a vitascope/common/v1/tensor.proto\"I\n\x04Hold\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x13\n\x0bmax_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13has_fallback_prompt\x18\x03 \x01(\x08\"\xac\x01\n\x0cSessionStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12$\n\x04hold\x18\x05 \x01(\x0b\x32\x16.vitascope.dit.v1.Hold\x12\x35\n\x08\x63onsumer\x18\x06 \x01(\x0b\x32#.vitascope.common.v1.TransportHello\"~\n\nPromptPart\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12*\n\x04role\x18\x02 \x01(\x0e\x32\x1c.vitascope.dit.v1.PromptRole\x12\x32\n\tembedding\x18\x03 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorPart\"6\n\x08PhaseAck\x12\x15\n\rrequest_index\x18\x01 \x01(\r\x12\x13\n\x0bphase_index\x18\x02 \x01(\r\"\xd4\x01\n\rStreamRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.vitascope.dit.v1.SessionStartH\x00\x12.\n\x06prompt\x18\x02 \x01(\x0b\x32\x1c.vitascope.dit.v1.PromptPartH\x00\x12/\n\x07release\x18\x03 \x01(\x0b\x32\x1c.vitascope.common.v1.ReleaseH\x00\x12)\n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x1a.vitascope.dit.v1.PhaseAckH\x00\x42\x06\n\x04kind\"\x9a\x03\n\tPhaseMeta\x12\x15\n\rrequest_index\x18\x01 \x01(\r\x12\x13\n\x0bphase_index\x18\x02 \x01(\r\x12\x12\n\nnum_frames\x18\x03 \x01(\r\x12\x19\n\x11num_audio_samples\x18\x04 \x01(\r\x12\x19\n\x11\x61udio_sample_rate\x18\x05 \x01(\r\x12\x19\n\x11started_event_ids\x18\x06 \x03(\t\x12\x18\n\x10\x61\x63tive_event_ids\x18\x07 \x03(\t\x12\x1b\n\x13\x63ompleted_event_ids\x18\x08 \x03(\t\x12\x44\n\rstage_seconds\x18\t \x03(\x0b\x32-.vitascope.dit.v1.PhaseMeta.StageSecondsEntry\x12\x18\n\x10\x66irst_of_request\x18\n \x01(\x08\x12\x30\n\x05trace\x18\x0b \x01(\x0b\x32!.vitascope.common.v1.TraceContext\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc0\x02\n\x0eStreamResponse\x12+\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.vitascope.dit.v1.PhaseMetaH\x00\x12\x30\n\x05video\x18\x02 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorPartH\x00\x12\x30\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorPartH\x00\x12/\n\tphase_end\x18\x04 \x01(\x0b\x32\x1a.vitascope.dit.v1.PhaseEndH\x00\x12,\n\x07started\x18\x05 \x01(\x0b\x32\x19.vitascope.dit.v1.StartedH\x00\x12\x36\n\x0eprompt_release\x18\x06 \x01(\x0b\x32\x1c.vitascope.common.v1.ReleaseH\x00\x42\x06\n\x04kind\"\n\n\x08PhaseEnd\"#\n\x07Started\x12\x18\n\x10kv_capacity_rows\x18\x01 \x01(\r*>\n\nPromptRole\x12\x16\n\x12PROMPT_ROLE_ACTIVE\x10\x00\x12\x18\n\x14PROMPT_ROLE_FALLBACK\x10\x01\x32V\n\x03\x44iT\x12O\n\x06Stream\x12\x1f.vitascope.dit.v1.StreamRequest\x1a .vitascope.dit.v1.StreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avitascope/dit/v1/dit.proto\x12\x10vitascope.dit.v1\x1a vitascope/common/v1/tensor.proto\"I\n\x04Hold\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x13\n\x0bmax_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13has_fallback_prompt\x18\x03 \x01(\x08\"\xc2\x01\n\x0cSessionStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12$\n\x04hold\x18\x05 \x01(\x0b\x32\x16.vitascope.dit.v1.Hold\x12\x35\n\x08\x63onsumer\x18\x06 \x01(\x0b\x32#.vitascope.common.v1.TransportHello\x12\x14\n\x0cmax_requests\x18\x07 \x01(\r\"~\n\nPromptPart\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12*\n\x04role\x18\x02 \x01(\x0e\x32\x1c.vitascope.dit.v1.PromptRole\x12\x32\n\tembedding\x18\x03 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorPart\"6\n\x08PhaseAck\x12\x15\n\rrequest_index\x18\x01 \x01(\r\x12\x13\n\x0bphase_index\x18\x02 \x01(\r\"\xd4\x01\n\rStreamRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.vitascope.dit.v1.SessionStartH\x00\x12.\n\x06prompt\x18\x02 \x01(\x0b\x32\x1c.vitascope.dit.v1.PromptPartH\x00\x12/\n\x07release\x18\x03 \x01(\x0b\x32\x1c.vitascope.common.v1.ReleaseH\x00\x12)\n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x1a.vitascope.dit.v1.PhaseAckH\x00\x42\x06\n\x04kind\"\x9a\x03\n\tPhaseMeta\x12\x15\n\rrequest_index\x18\x01 \x01(\r\x12\x13\n\x0bphase_index\x18\x02 \x01(\r\x12\x12\n\nnum_frames\x18\x03 \x01(\r\x12\x19\n\x11num_audio_samples\x18\x04 \x01(\r\x12\x19\n\x11\x61udio_sample_rate\x18\x05 \x01(\r\x12\x19\n\x11started_event_ids\x18\x06 \x03(\t\x12\x18\n\x10\x61\x63tive_event_ids\x18\x07 \x03(\t\x12\x1b\n\x13\x63ompleted_event_ids\x18\x08 \x03(\t\x12\x44\n\rstage_seconds\x18\t \x03(\x0b\x32-.vitascope.dit.v1.PhaseMeta.StageSecondsEntry\x12\x18\n\x10\x66irst_of_request\x18\n \x01(\x08\x12\x30\n\x05trace\x18\x0b \x01(\x0b\x32!.vitascope.common.v1.TraceContext\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc0\x02\n\x0eStreamResponse\x12+\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.vitascope.dit.v1.PhaseMetaH\x00\x12\x30\n\x05video\x18\x02 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorPartH\x00\x12\x30\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x1f.vitascope.common.v1.TensorPartH\x00\x12/\n\tphase_end\x18\x04 \x01(\x0b\x32\x1a.vitascope.dit.v1.PhaseEndH\x00\x12,\n\x07started\x18\x05 \x01(\x0b\x32\x19.vitascope.dit.v1.StartedH\x00\x12\x36\n\x0eprompt_release\x18\x06 \x01(\x0b\x32\x1c.vitascope.common.v1.ReleaseH\x00\x42\x06\n\x04kind\"\n\n\x08PhaseEnd\"#\n\x07Started\x12\x18\n\x10kv_capacity_rows\x18\x01 \x01(\r*>\n\nPromptRole\x12\x16\n\x12PROMPT_ROLE_ACTIVE\x10\x00\x12\x18\n\x14PROMPT_ROLE_FALLBACK\x10\x01\x32V\n\x03\x44iT\x12O\n\x06Stream\x12\x1f.vitascope.dit.v1.StreamRequest\x1a .vitascope.dit.v1.StreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,28 +34,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PHASEMETA_STAGESECONDSENTRY']._loaded_options = None
   _globals['_PHASEMETA_STAGESECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_PROMPTROLE']._serialized_start=1516
-  _globals['_PROMPTROLE']._serialized_end=1578
+  _globals['_PROMPTROLE']._serialized_start=1538
+  _globals['_PROMPTROLE']._serialized_end=1600
   _globals['_HOLD']._serialized_start=82
   _globals['_HOLD']._serialized_end=155
   _globals['_SESSIONSTART']._serialized_start=158
-  _globals['_SESSIONSTART']._serialized_end=330
-  _globals['_PROMPTPART']._serialized_start=332
-  _globals['_PROMPTPART']._serialized_end=458
-  _globals['_PHASEACK']._serialized_start=460
-  _globals['_PHASEACK']._serialized_end=514
-  _globals['_STREAMREQUEST']._serialized_start=517
-  _globals['_STREAMREQUEST']._serialized_end=729
-  _globals['_PHASEMETA']._serialized_start=732
-  _globals['_PHASEMETA']._serialized_end=1142
-  _globals['_PHASEMETA_STAGESECONDSENTRY']._serialized_start=1091
-  _globals['_PHASEMETA_STAGESECONDSENTRY']._serialized_end=1142
-  _globals['_STREAMRESPONSE']._serialized_start=1145
-  _globals['_STREAMRESPONSE']._serialized_end=1465
-  _globals['_PHASEEND']._serialized_start=1467
-  _globals['_PHASEEND']._serialized_end=1477
-  _globals['_STARTED']._serialized_start=1479
-  _globals['_STARTED']._serialized_end=1514
-  _globals['_DIT']._serialized_start=1580
-  _globals['_DIT']._serialized_end=1666
+  _globals['_SESSIONSTART']._serialized_end=352
+  _globals['_PROMPTPART']._serialized_start=354
+  _globals['_PROMPTPART']._serialized_end=480
+  _globals['_PHASEACK']._serialized_start=482
+  _globals['_PHASEACK']._serialized_end=536
+  _globals['_STREAMREQUEST']._serialized_start=539
+  _globals['_STREAMREQUEST']._serialized_end=751
+  _globals['_PHASEMETA']._serialized_start=754
+  _globals['_PHASEMETA']._serialized_end=1164
+  _globals['_PHASEMETA_STAGESECONDSENTRY']._serialized_start=1113
+  _globals['_PHASEMETA_STAGESECONDSENTRY']._serialized_end=1164
+  _globals['_STREAMRESPONSE']._serialized_start=1167
+  _globals['_STREAMRESPONSE']._serialized_end=1487
+  _globals['_PHASEEND']._serialized_start=1489
+  _globals['_PHASEEND']._serialized_end=1499
+  _globals['_STARTED']._serialized_start=1501
+  _globals['_STARTED']._serialized_end=1536
+  _globals['_DIT']._serialized_start=1602
+  _globals['_DIT']._serialized_end=1688
 # @@protoc_insertion_point(module_scope)

@@ -26,20 +26,22 @@ class Hold(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., max_seconds: _Optional[float] = ..., has_fallback_prompt: _Optional[bool] = ...) -> None: ...
 
 class SessionStart(_message.Message):
-    __slots__ = ("session_id", "seed", "width", "height", "hold", "consumer")
+    __slots__ = ("session_id", "seed", "width", "height", "hold", "consumer", "max_requests")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     seed: int
     width: int
     height: int
     hold: Hold
     consumer: _tensor_pb2.TransportHello
-    def __init__(self, session_id: _Optional[str] = ..., seed: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., hold: _Optional[_Union[Hold, _Mapping]] = ..., consumer: _Optional[_Union[_tensor_pb2.TransportHello, _Mapping]] = ...) -> None: ...
+    max_requests: int
+    def __init__(self, session_id: _Optional[str] = ..., seed: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., hold: _Optional[_Union[Hold, _Mapping]] = ..., consumer: _Optional[_Union[_tensor_pb2.TransportHello, _Mapping]] = ..., max_requests: _Optional[int] = ...) -> None: ...
 
 class PromptPart(_message.Message):
     __slots__ = ("event_id", "role", "embedding")

@@ -1,4 +1,4 @@
-"""Tiny-preset benchmark on this machine: `.venv/bin/python scripts/bench_tiny.py [--requests 6]`.
+"""Tiny-preset benchmark on this machine: `.venv/bin/python -m tools.bench_tiny [--requests 6]`.
 
 Brings the four services up on a copy of the tiny CPU profile (free ports, a temporary checkpoint directory,
 service logs to a file), streams one session of N 5-second requests through the client library with a new
@@ -24,11 +24,10 @@ import urllib.request
 import numpy as np
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from services.client import ClientOptions, ClientResult, PromptUpdate, stream
+from services.up import bring_up
 
-from services.client import ClientOptions, ClientResult, PromptUpdate, stream  # noqa: E402
-from services.up import bring_up, stop_all  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 log = logging.getLogger("bench_tiny")
 
@@ -49,7 +48,7 @@ PROMPTS = (
 )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -61,10 +60,10 @@ def write_profile(base: pathlib.Path, workdir: pathlib.Path) -> tuple[pathlib.Pa
     raw["profile"] = f"{raw.get('profile', base.stem)}_bench"
     raw["model"]["dir"] = str(workdir / "checkpoint")
     raw["model"]["write_if_missing"] = True
-    raw["endpoints"] = {name: f"127.0.0.1:{_free_port()}" for name in ("encoder", "dit", "vae")}
+    raw["endpoints"] = {name: f"127.0.0.1:{free_port()}" for name in ("encoder", "dit", "vae")}
     for stage in ("encoder", "dit", "vae"):
         raw.setdefault(stage, {})["metrics_port"] = 0
-    raw.setdefault("gateway", {})["port"] = port = _free_port()
+    raw.setdefault("gateway", {})["port"] = port = free_port()
     path = workdir / "profile.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path, port
@@ -188,7 +187,7 @@ def main() -> int:
             os.dup2(service_log.fileno(), 1)  # the children inherit these while they start
             os.dup2(service_log.fileno(), 2)
             try:
-                procs = bring_up(profile)
+                supervisor = bring_up(profile)
             finally:
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
@@ -199,7 +198,7 @@ def main() -> int:
             after = scrape_stages(http_url)
             warm = [run_warm(url, args.seed + 1 + i) for i in range(args.warm)]
         finally:
-            stop_all(procs)
+            supervisor.stop_all()
     stages = {s: (after[s][0] - before[s][0], after[s][1] - before[s][1]) for s in STAGES}
     print(report(args, cold, warm, stages, up_seconds, (load_before, os.getloadavg())))
     print(f"(service logs: {args.service_log})")
