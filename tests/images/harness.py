@@ -31,6 +31,8 @@ BASE_ENV = "VITASCOPE_PYTHON_IMAGE"
 """A base image to use instead of python:3.11-slim or the local Debian build (scripts/build_base_image.sh)."""
 LOCAL_BASE = "localhost/vitascope-python:3.11-bookworm"
 HOST_CA_BUNDLE = pathlib.Path("/etc/ssl/certs/ca-certificates.crt")
+REPORT: dict[str, str] = {}
+"""What the tier measured (timings, sizes), printed at the end of the run by tests/images/conftest.py."""
 
 
 class Unavailable(Exception):
@@ -164,7 +166,13 @@ class Namespace:
     def exec(self, args: list[str], *, timeout: float, env: dict[str, str] | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
         """Run a command inside the namespace (its 127.0.0.1 is the containers' 127.0.0.1)."""
-        return run(["ip", "netns", "exec", self.name, *args], timeout=timeout, env=env, check=check)
+        return run(_enter(self.name, args), timeout=timeout, env=env, check=check)
+
+
+def _enter(namespace: str, args: list[str]) -> list[str]:
+    """`args` run in the network namespace only (`ip netns exec` also remounts /sys, hiding the cgroup mounts
+    that runc needs)."""
+    return ["nsenter", f"--net=/run/netns/{namespace}", "--", *args]
 
 
 @contextlib.contextmanager
@@ -178,8 +186,8 @@ def podman_service_in_namespace(podman: Podman) -> Iterator[Namespace]:
     try:
         run(["ip", "-n", name, "link", "set", "lo", "up"], timeout=30)
         socket = podman.workdir / "podman.sock"
-        service = subprocess.Popen(["ip", "netns", "exec", name, "podman", "system", "service", "--time=0",
-                                    f"unix://{socket}"], env=podman.env, stdout=subprocess.DEVNULL,
+        service = subprocess.Popen(_enter(name, ["podman", "system", "service", "--time=0", f"unix://{socket}"]),
+                                   env=podman.env, stdout=subprocess.DEVNULL,
                                    stderr=(podman.workdir / "podman-service.log").open("w"))
         deadline = time.monotonic() + 30
         while not socket.exists():
