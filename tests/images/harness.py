@@ -31,6 +31,7 @@ BASE_ENV = "VITASCOPE_PYTHON_IMAGE"
 """A base image to use instead of python:3.11-slim or the local Debian build (scripts/build_base_image.sh)."""
 LOCAL_BASE = "localhost/vitascope-python:3.11-bookworm"
 HOST_CA_BUNDLE = pathlib.Path("/etc/ssl/certs/ca-certificates.crt")
+WHEEL_PORT = 47813
 REPORT: dict[str, str] = {}
 """What the tier measured (timings, sizes), printed at the end of the run by tests/images/conftest.py."""
 
@@ -137,9 +138,15 @@ def _container_limits() -> tuple[int, int]:
 
 @contextlib.contextmanager
 def wheel_server(directory: pathlib.Path) -> Iterator[str]:
-    """Serve `directory` on 127.0.0.1 (a free port) as a pip --find-links page; yield its URL."""
+    """Serve `directory` on 127.0.0.1 as a pip --find-links page; yield its URL.
+
+    The port is fixed where it is free (WHEEL_PORT): the URL is a build argument, so a new port every run would
+    miss the build cache of every layer after torch's."""
     handler = functools.partial(_QuietHandler, directory=str(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEEL_PORT), handler)
+    except OSError:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -259,8 +266,9 @@ def drive_health_checks(podman: Podman, compose: Compose, stop: threading.Event,
     while not stop.wait(period_s):
         with contextlib.suppress(Exception):
             for cid in compose.containers(all_states=False).values():
-                subprocess.run(["podman", "healthcheck", "run", cid], capture_output=True, timeout=30,
-                               env=podman.env)
+                # inside the namespace: a host-network container's exec joins the caller's network namespace
+                subprocess.run(_enter(compose.namespace.name, ["podman", "healthcheck", "run", cid]),
+                               capture_output=True, timeout=30, env=podman.env)
 
 
 def health(podman: Podman, cid: str) -> str:
