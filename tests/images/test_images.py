@@ -206,9 +206,21 @@ def test_tiny_compose_streams_a_session_through_the_built_images(podman, tmp_pat
     REPORT["image tier, whole test"] = f"{time.monotonic() - t0:.0f} s"
 
 
+def _up(podman, compose) -> None:
+    """`up -d`; where compose gives up on a stage that is unhealthy for a moment (docker-compose 1.29 stops at
+    the first unhealthy reading), wait for the stages' health and run `up -d` again (it starts what is left)."""
+    for attempt in range(3):
+        result = compose("up", "-d", "--no-build", timeout=900, check=False)
+        if result.returncode == 0:
+            return
+        if "is unhealthy" not in result.stderr or attempt == 2:
+            raise AssertionError(f"compose up exited {result.returncode}:\n{result.stderr[-4000:]}")
+        _wait_healthy(podman, compose, STAGES, deadline_s=300)
+
+
 def _first_and_second_up(podman, compose, namespace, tmp_path) -> None:
     start = time.monotonic()
-    compose("up", "-d", "--no-build", timeout=900)
+    _up(podman, compose)
     up_s = _wait_healthy(podman, compose, (*STAGES, "gateway"), deadline_s=600) + time.monotonic() - start
     REPORT["first up until every health check passes"] = f"{up_s:.0f} s"
     ids = compose.containers()
@@ -233,7 +245,7 @@ def _first_and_second_up(podman, compose, namespace, tmp_path) -> None:
 
     compose("down", "--timeout", "20", timeout=300)
     start = time.monotonic()
-    compose("up", "-d", "--no-build", timeout=900)
+    _up(podman, compose)
     again_s = _wait_healthy(podman, compose, (*STAGES, "gateway"), deadline_s=600) + time.monotonic() - start
     REPORT["second up (checkpoint reused) until healthy"] = f"{again_s:.0f} s"
     ids = compose.containers()
