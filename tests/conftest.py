@@ -1,10 +1,11 @@
-"""Test tiers: every test carries exactly one of the markers cpu, gpu, multi_gpu.
+"""Test tiers: every test carries exactly one of the markers cpu, gpu, multi_gpu, images.
 
-GPU tiers are skipped cleanly on machines without enough CUDA devices.
+GPU tiers are skipped cleanly on machines without enough CUDA devices; the images tier (tests/images: builds and
+runs the container images) skips itself where podman cannot run, unless VITASCOPE_IMAGES_REQUIRED=1.
 """
 import pytest
 
-TIERS = ("cpu", "gpu", "multi_gpu")
+TIERS = ("cpu", "gpu", "multi_gpu", "images")
 
 
 def _cuda_count() -> int:

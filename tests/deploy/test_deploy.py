@@ -103,6 +103,9 @@ def test_tiny_cpu_compose_config_passes():
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
     assert "deploy" not in services["dit"]  # no GPU reservation: runs anywhere
+    for name in ("checkpoint", *HEALTH):  # a CPU stage image, with no FlashAttention 4, from the file alone
+        args = services[name]["build"]["args"]
+        assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu" and args["FLASH_ATTN_4"] == "0"
 
 
 def test_tiny_cpu_compose_runs_exactly_what_services_up_runs():
@@ -136,31 +139,76 @@ def test_tiny_cpu_compose_runs_exactly_what_services_up_runs():
 # --- Dockerfile --------------------------------------------------------------------------------------------
 
 
+def _requirement_files() -> dict[str, list[str]]:
+    """deploy/requirements/*.txt: file name -> its requirement lines (comments and `-r` includes dropped)."""
+    files = {}
+    for path in sorted((DEPLOY / "requirements").glob("*.txt")):
+        lines = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+        files[path.name] = [line for line in lines if line and not line.startswith("-")]
+    return files
+
+
+def _gencode() -> tuple[int, ...]:
+    versions = [tuple(int(v) for v in m.groups()) for path in (ROOT / "vitascope").rglob("*_pb2.py")
+                for m in [re.search(r"ValidateProtobufRuntimeVersion\(\s*\S+,\s*(\d+),\s*(\d+),\s*(\d+),",
+                                    path.read_text())] if m]
+    assert versions, "no generated stubs with a protobuf runtime check"
+    return max(versions)
+
+
+def _lower_bound(requirement: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in re.search(r">=([\d.]+)", requirement).group(1).split("."))
+
+
 def test_dockerfile_targets_pins_and_user():
     text = (DEPLOY / "Dockerfile").read_text()
     targets = re.findall(r"^FROM \S+ AS (\S+)$", text, flags=re.M)
     assert targets == ["base", "gateway", "stage"]
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11\.\d+-slim", text, flags=re.M)
     assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, flags=re.M)
+    assert re.search(r'^ARG FLASH_ATTN_4_REQUIREMENT="flash-attn-4==[\w.]+"$', text, flags=re.M)
+    assert re.search(r"^ARG FLASH_ATTN_4=1$", text, flags=re.M)  # on by default: the CUDA stage
+    # Every install takes the requirement files (or torch / FA4 by their build args), under the constraints.
     installs = re.findall(r"pip install ((?:[^\n]|\\\n)*?)(?<!\\)\n", text)
-    tokens = [t.strip('"') for line in installs for t in line.replace("\\\n", " ").split()]
-    requirements = [t for t in tokens if re.match(r"^[a-z][a-z0-9-]*[=<>]", t)]
+    assert installs
+    for line in installs:
+        for token in line.split("&&")[0].replace("\\\n", " ").split():
+            assert not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", token.strip('"')), f"unpinned requirement {token}"
+    assert "PIP_CONSTRAINT=/opt/vitascope/requirements/constraints.txt" in text
+    assert "pip install ." not in text and "--no-deps ." not in text  # one copy of the code, under /app
+    assert "PYTHONPATH=/app" in text
+    assert len(re.findall(r"(?:RUN|&&) pip check", text)) == 2  # each target ends its installs with pip check
+    assert re.findall(r"python /opt/vitascope/image_check.py (\w+)", text) == ["gateway", "stage"]
+    files = _requirement_files()
+    assert set(files) == {"base.txt", "stage.txt", "fa4.txt", "constraints.txt"}
+    requirements = [req for lines in files.values() for req in lines]
     assert len(requirements) > 15
-    for token in tokens:
-        assert not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", token), f"unpinned requirement {token}"
     for req in requirements:  # every requirement pinned exactly or bounded on both sides
         assert "==" in req or (">=" in req and "<" in req.split(">=")[1]), f"unpinned: {req}"
     pyproject = (ROOT / "pyproject.toml").read_text()
     for name, version in re.findall(r'"([a-z][a-z0-9-]*)==([\d.]+)"', pyproject):
         for req in requirements:
             if req.startswith(f"{name}=="):
-                assert req == f"{name}=={version}", f"Dockerfile {req} vs pyproject {name}=={version}"
+                assert req == f"{name}=={version}", f"deploy/requirements {req} vs pyproject {name}=={version}"
     assert text.count("USER vitascope") == 2  # both runnable targets drop root
     stage = text.split("AS stage", 1)[1]  # compile caches on the volume the deployments mount at /cache
     assert re.search(r"TORCHINDUCTOR_CACHE_DIR=/cache/\S+", stage) and re.search(r"TRITON_CACHE_DIR=/cache/\S+", stage)
     assert "chown -R vitascope:vitascope /app /cache" in text
-    for source in re.findall(r"^COPY --chown=\S+ (\S+) ", text, flags=re.M):
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    for source in re.findall(r"^COPY (?:--chown=\S+ )?(\S+) ", text, flags=re.M):
         assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
+        if source.startswith("deploy/"):  # the context leaves deploy/ out, except what the build copies
+            assert f"!{source.rstrip('/')}" in ignore, f"Dockerfile.dockerignore leaves out {source}"
+
+
+def test_every_install_keeps_the_protobuf_the_stubs_were_generated_for():
+    gencode = _gencode()
+    constraint = next(r for r in _requirement_files()["constraints.txt"] if r.startswith("protobuf"))
+    assert _lower_bound(constraint) >= gencode, f"{constraint} admits a protobuf older than the stubs' {gencode}"
+    pyproject = re.search(r'"(protobuf[^"]*)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert _lower_bound(pyproject) >= gencode, f"pyproject {pyproject} vs the stubs' {gencode}"
+    # FA4's CuTe DSL is pinned to a release whose libraries accept that protobuf (4.7.0's require protobuf<7).
+    assert "nvidia-cutlass-dsl[cu13]==4.7.0" not in _requirement_files()["fa4.txt"]
 
 
 # --- Kubernetes --------------------------------------------------------------------------------------------
