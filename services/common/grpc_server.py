@@ -138,6 +138,9 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     parser = argparse.ArgumentParser(description=f"vitascope {name} stage")
     parser.add_argument("--profile", required=True, help="deployment profile YAML (configs/*.yaml)")
     parser.add_argument("--port", type=int, help=f"override the profile's {name} port")
+    parser.add_argument("--host", help="address the gRPC server binds (default: the host of the profile's endpoint "
+                                       "for this stage; in a Kubernetes pod 0.0.0.0, the pod's own network, which "
+                                       "the kubelet's probes reach)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address the Prometheus endpoint binds (default loopback; a pod's scrape needs 0.0.0.0)")
     if name != "dit":
@@ -148,7 +151,7 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     profile = load_profile(args.profile, {name: {"device": device}} if device else None)
     check_fits(profile, name)
     port = args.port or profile.endpoints.port_of(name)
-    host = profile.endpoints.host_of(name)  # the stage listens where the profile says it is, nowhere else
+    host = args.host or profile.endpoints.host_of(name)  # where the profile says it is, unless told otherwise
     stopped = asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port,
                                 getattr(profile, name).metrics_port, host=host, metrics_host=args.metrics_host))
     if not stopped:  # broken for good (a DiT group lost a rank): exit, so the supervisor starts it afresh

@@ -76,7 +76,9 @@ def test_gpu_compose_config_passes_per_profile(env_file, profile, gpus):
     assert set(services) == {"pod", "encoder", "dit", "vae", "gateway"}
     for name in ("encoder", "dit", "vae", "gateway"):
         svc = services[name]
-        assert svc["command"] == ["python", "-m", f"services.{name}", "--profile", f"configs/{profile}.yaml"]
+        published = ["--metrics-host", "0.0.0.0"] if name != "gateway" else []  # the pod publishes 127.0.0.1:910x
+        assert svc["command"] == ["python", "-m", f"services.{name}", "--profile", f"configs/{profile}.yaml",
+                                  *published]
         assert svc["network_mode"] == "service:pod"
         assert svc["pid"] == "service:pod"  # the encoder asks whether its callers' pids are alive
         assert svc["user"] == "10001:10001"
@@ -339,8 +341,8 @@ def test_overlay_matches_its_profile(overlay, profile):
 
     docs = render(K8S / "overlays" / overlay)
     pod = _deployment(docs)["spec"]["template"]["spec"]
-    for container in pod["containers"]:  # the stages' metrics bind the pod's address, for the metrics Service
-        scraped = ["--metrics-host", "0.0.0.0"] if container["name"] != "gateway" else []
+    for container in pod["containers"]:  # the stages bind the pod's address: the kubelet probes it, Prometheus too
+        scraped = ["--host", "0.0.0.0", "--metrics-host", "0.0.0.0"] if container["name"] != "gateway" else []
         assert container["args"] == ["--profile", f"configs/{profile}.yaml", *scraped]
     claim = _by_key(docs)[("ResourceClaimTemplate", "vitascope-gpus")]
     count = claim["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"]
