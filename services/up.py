@@ -161,7 +161,12 @@ def main() -> int:
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     registry = prometheus_client.CollectorRegistry()
     if args.metrics_port:
-        prometheus_client.start_http_server(args.metrics_port, addr="127.0.0.1", registry=registry)
+        try:
+            prometheus_client.start_http_server(args.metrics_port, addr="127.0.0.1", registry=registry)
+        except OSError:
+            log.error("port %d (the supervisor's metrics) is already in use: is another vitascope running? Stop it "
+                      "or pass --metrics-port", args.metrics_port)
+            return 1
     # SIGTERM during start-up acts like Ctrl-C: bring_up() stops the children it already started.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
