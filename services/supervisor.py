@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from services.common.errors import ServerError
+
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +76,7 @@ class ServiceSpec:
     """True while the process answers (alive, whether or not it is ready); called from the supervisor's thread."""
 
 
-class CrashLoop(RuntimeError):
+class CrashLoop(ServerError):
     """A service exited `crash_loop_exits` times inside the window; the supervisor gave up."""
 
 

@@ -4,6 +4,7 @@ server's as INTERNAL or UNAVAILABLE, and a server fault never reaches a client a
 The table and the hierarchy are checked directly; the stage paths run the real `DiTServicer` and `VAEServicer`
 over in-process gRPC, with small fakes behind them that raise what the model code raises.
 """
+import asyncio
 import importlib
 import inspect
 import logging
@@ -182,6 +183,8 @@ async def _vae_status(fault: Exception, video: torch.Tensor, truncate: bool = Fa
             if truncate:
                 part.host.data = part.host.data[:-1]
             yield vae_pb2.DecodeRequest(video=part)
+        if truncate:  # send nothing more: a write racing the server's abort would end the call INTERNAL here
+            await asyncio.Event().wait()
         for part in tensor_to_parts(torch.zeros(2, 1, 32)):
             yield vae_pb2.DecodeRequest(audio=part)
         yield vae_pb2.DecodeRequest(phase_end=vae_pb2.PhaseEnd(request_index=0, phase_index=0))
