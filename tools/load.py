@@ -142,7 +142,7 @@ BEHAVIOURS: dict[str, Callable] = {
 
 def acceptable(outcome: str) -> bool:
     """session.done, an error with a code, the client's own leaving, or a close the gateway chose."""
-    return outcome == "done" or outcome.startswith(("error:", "left:", "ended_first:", "closed:"))
+    return outcome == "done" or outcome.startswith(("error:", "left:", "ended_first:", "closed:", "refused:"))
 
 
 async def client(url: str, behaviour: str, timeout_s: float) -> tuple[str, str, float]:
@@ -151,6 +151,8 @@ async def client(url: str, behaviour: str, timeout_s: float) -> tuple[str, str, 
         async with aiohttp.ClientSession() as http:
             async with http.ws_connect(url, max_msg_size=0) as ws:
                 outcome = await BEHAVIOURS[behaviour](ws, timeout_s)
+    except aiohttp.WSServerHandshakeError as exc:  # the gateway refused the upgrade (401, 403, 429 with a code)
+        outcome = f"refused:{exc.status}"
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         outcome = f"client_error:{type(exc).__name__}"
     return behaviour, outcome, time.monotonic() - started

@@ -92,6 +92,8 @@ def soak_profile(base: pathlib.Path, workdir: pathlib.Path) -> tuple[pathlib.Pat
     for stage in ("encoder", "dit", "vae"):
         raw[stage]["metrics_port"] = metrics_port = free_port()
         urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
+    # every client comes from 127.0.0.1 here: the per-address limits would be what is measured
+    raw["gateway"]["auth"] = {"max_connections_per_address": 1024, "starts_per_minute_per_address": 100_000}
     path.write_text(yaml.safe_dump(raw))
     return path, port, urls
 
