@@ -6,7 +6,7 @@ one packed-QKV all-to-all turns the sequence shard `[S/N, H, D]` x 3 into the he
 inner pattern (full or streaming) runs over all rows for this rank's heads (so a KV cache keeps `[rows, H/N, D]`
 per rank), and a second all-to-all restores `[S/N, H, D]`. q, k and v are written once, by head group, into the
 send buffer (`pack_head_groups`' layout; on CUDA by the kernel that finishes the QKV projection, `attention_inputs`
-in model.py); the receive buffer then holds every row's q, k, v side by side, and the inner pattern reads them
+in model/network.py); the receive buffer then holds every row's q, k, v side by side, and the inner pattern reads them
 there as views (the layout cuDNN attention calls packed QKV). The text refiner runs replicated (text rows only).
 The same `all_to_all_single` path serves NCCL and gloo. Knows nothing about sessions, KV retention, LoRA or
 how the ranks were started.

@@ -1,6 +1,6 @@
 """The DiT's block stack as piecewise CUDA graphs, for the streaming forwards (students and commits) of each phase.
 
-A block is its work before and after its attention call (`attention_inputs`, `residual_branches` in model.py):
+A block is its work before and after its attention call (`attention_inputs`, `residual_branches` in network.py):
 compiled regions and the kernels that finish the LoRA linears. The attention stays eager: under Ulysses it holds
 the all-to-alls (NCCL work inside a graph cannot be aborted when a rank dies), and the streaming pattern's shapes
 grow with the KV history. So one graph covers each stretch between two attention calls (block i-1's work after its

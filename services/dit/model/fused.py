@@ -1,7 +1,7 @@
 """Element-wise pieces of the DiT block in plain torch, and `cuda_compiled`, which compiles a block region on CUDA.
 
 The pieces are the reference (run as they are on the CPU and in the parity tests). On CUDA a block's regions
-(model.py: `qkv_projection`, `mlp_inputs`, `mlp_residual`) are compiled whole, so the pieces fuse with their
+(network.py: `qkv_projection`, `mlp_inputs`, `mlp_residual`) are compiled whole, so the pieces fuse with their
 neighbours (AdaLN gather, FP8 activation quantisation, LoRA scale-and-add) and one region call replaces ~10 eager op
 launches: eager, a forward's host-side dispatch cost ~125 ms on its own, more than the GPU work of a small phase.
 Between the regions, Triton kernels finish the QKV projection and fc1 (`lora_kernels.py`); the QK-norm, RoPE and

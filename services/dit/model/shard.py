@@ -1,6 +1,7 @@
 """How the DiT's blocks run over a sequence shard: the interface (`SequenceShard`, each block's `ShardedAttend`), the
 send-buffer layout its attention takes q, k, v in (`pack_head_groups`), and the single-device shard (`NoShard`).
-Ulysses over N ranks is `sp.UlyssesShard`. Knows nothing about the model's weights or the attention pattern.
+Ulysses over N ranks is `services.dit.group.ulysses.UlyssesShard`. Knows nothing about the model's weights or the
+attention pattern.
 """
 from __future__ import annotations
 
