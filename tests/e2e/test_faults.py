@@ -205,7 +205,9 @@ def test_a_killed_stage_fails_the_session_by_name_and_the_node_heals(node, stage
     assert stage in broken.error["message"] and broken.error.get("fault") == "server"
     assert broken.error_delay_s < 2.0
     assert _frames(broken.media) > 0  # what came before the fault still decodes
-    _wait_healed(node, stage, victim.pid)
+    healed_s = _wait_healed(node, stage, victim.pid)
+    print(f"kill -9 {stage}: error {broken.error['code']} {broken.error_delay_s:.2f} s after the last media, "
+          f"{_frames(broken.media)} frames before it decoded, healed in {healed_s:.1f} s")
     assert _group_members(victim.pid) == []  # nothing the dead stage spawned outlived it
     _assert_next_session_streams(node)
     _assert_idle(node)
@@ -217,7 +219,8 @@ def test_a_killed_encoder_fails_only_the_prompt_update_and_the_node_heals(node):
     assert broken.error is None and broken.done, broken.error
     assert broken.update_error is not None and "encoder" in broken.update_error["message"], broken.update_error
     assert _frames(broken.media) > 0
-    _wait_healed(node, "encoder", victim.pid)
+    print(f"kill -9 encoder: the update failed ({broken.update_error['code']}), the session ended with "
+          f"session.done, healed in {_wait_healed(node, 'encoder', victim.pid):.1f} s")
     assert _group_members(victim.pid) == []
     _assert_next_session_streams(node)
     _assert_idle(node)
@@ -232,7 +235,9 @@ def test_a_killed_gateway_frees_every_slot_and_comes_back(node):
     while _metric(node.metrics_urls["dit"], "vitascope_active_sessions"):
         assert time.monotonic() - started < 5.0, "the DiT still holds the dead gateway's session"
         time.sleep(0.1)
-    _wait_healed(node, "gateway", victim.pid)
+    freed_s = time.monotonic() - started
+    print(f"kill -9 gateway: the DiT freed the session in {freed_s:.2f} s, healed in "
+          f"{_wait_healed(node, 'gateway', victim.pid):.1f} s")
     _assert_next_session_streams(node)
     _assert_idle(node)
 
@@ -242,7 +247,8 @@ def test_a_wedged_stage_fails_the_session_by_name_and_is_restarted(node):
     broken = asyncio.run(_session_broken_by(node, lambda: os.kill(victim.pid, signal.SIGSTOP)))
     assert broken.error is not None and broken.error["code"] in ("stall_timeout", "backend_failed"), broken.error
     assert _frames(broken.media) > 0
-    _wait_healed(node, "dit", victim.pid)
+    print(f"SIGSTOP dit: error {broken.error['code']} {broken.error_delay_s:.1f} s after the last media, healed in "
+          f"{_wait_healed(node, 'dit', victim.pid):.1f} s")
     assert _group_members(victim.pid) == []
     _assert_next_session_streams(node)
     _assert_idle(node)
