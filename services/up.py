@@ -9,6 +9,7 @@ about models beyond the checkpoint writer's CLI.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import pathlib
@@ -36,11 +37,21 @@ START_TIMEOUT_SECONDS = 600.0
 PROBE_TIMEOUT_SECONDS = 2.0
 
 
-def service_commands(profile_path: str | os.PathLike) -> dict[str, list[str]]:
-    """The command line of every service this profile runs, in start order (also what compose runs)."""
+def service_commands(profile_path: str | os.PathLike, gateway_args: tuple[str, ...] = ()
+                     ) -> dict[str, list[str]]:
+    """The command line of every service this profile runs, in start order (also what compose runs);
+    `gateway_args` are added to the gateway's (`--host`, `--port` overrides)."""
     profile_arg = str(profile_path)
-    return {name: ["python", "-m", f"services.{name}", "--profile", profile_arg]
-            for name in SERVICES}
+    commands = {name: ["python", "-m", f"services.{name}", "--profile", profile_arg] for name in SERVICES}
+    commands["gateway"] += gateway_args
+    return commands
+
+
+def with_gateway_address(profile: Profile, host: str | None, port: int | None) -> Profile:
+    """The profile with the gateway's address overridden (`up --host/--port`)."""
+    gateway = dataclasses.replace(profile.gateway, **{k: v for k, v in (("host", host), ("port", port))
+                                                      if v is not None})
+    return dataclasses.replace(profile, gateway=gateway)
 
 
 def checkpoint_command(profile: Profile) -> list[str]:
@@ -84,8 +95,8 @@ def is_alive(name: str, profile: Profile) -> bool:
 
 def make_supervisor(profile: Profile, profile_path: str | os.PathLike, policy: RestartPolicy,
                     registry: prometheus_client.CollectorRegistry | None = None) -> Supervisor:
-    """A supervisor of the profile's four services (not started)."""
-    commands = service_commands(profile_path)
+    """A supervisor of the profile's four services (not started); the gateway at `profile.gateway`'s address."""
+    commands = service_commands(profile_path, ("--host", profile.gateway.host, "--port", str(profile.gateway.port)))
     specs = [ServiceSpec(name, _python(commands[name]), lambda name=name: is_alive(name, profile))
              for name in SERVICES]
     return Supervisor(specs, policy, registry)
@@ -121,9 +132,11 @@ def check_ports_free(profile: Profile) -> None:
 
 
 def bring_up(profile_path: pathlib.Path, policy: RestartPolicy = RestartPolicy(),
-             registry: prometheus_client.CollectorRegistry | None = None) -> Supervisor:
-    """Start every service of the profile and wait until all are ready; returns their supervisor."""
-    profile = load_profile(profile_path)
+             registry: prometheus_client.CollectorRegistry | None = None, host: str | None = None,
+             port: int | None = None) -> Supervisor:
+    """Start every service of the profile (the gateway at `host`/`port` when given) and wait until all are ready;
+    returns their supervisor."""
+    profile = with_gateway_address(load_profile(profile_path), host, port)
     check_ports_free(profile)
     if profile.model.write_if_missing and not (pathlib.Path(profile.model.dir) / "COMPLETE").exists():
         log.info("writing the %s checkpoint to %s (first start)", profile.model.preset, profile.model.dir)
@@ -146,18 +159,20 @@ def _interrupt(*_args: object) -> None:
     raise KeyboardInterrupt
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="configs/tiny_cpu.yaml")
+    parser.add_argument("--host", help="address the gateway binds (default: the profile's gateway.host)")
+    parser.add_argument("--port", type=int, help="the gateway's port (default: the profile's gateway.port)")
     parser.add_argument("--metrics-port", type=int, default=9100,
                         help="the supervisor's Prometheus port on 127.0.0.1 (restarts per service); 0: none")
     parser.add_argument("--crash-loop-exits", type=int, default=RestartPolicy.crash_loop_exits,
                         help="exits of one service inside the window that stop the node")
     parser.add_argument("--crash-loop-window", type=float, default=RestartPolicy.crash_loop_window_s,
                         help="seconds of the crash-loop window")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    profile = load_profile(args.profile)
+    profile = with_gateway_address(load_profile(args.profile), args.host, args.port)
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     registry = prometheus_client.CollectorRegistry()
     if args.metrics_port:
@@ -170,7 +185,7 @@ def main() -> int:
     # SIGTERM during start-up acts like Ctrl-C: bring_up() stops the children it already started.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        supervisor = bring_up(pathlib.Path(args.profile), policy, registry)
+        supervisor = bring_up(pathlib.Path(args.profile), policy, registry, args.host, args.port)
     except (RuntimeError, CrashLoop, subprocess.CalledProcessError) as exc:
         log.error("%s", exc)
         return 1

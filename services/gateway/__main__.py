@@ -1,4 +1,4 @@
-"""`python -m services.gateway --profile configs/tiny_cpu.yaml [--port N]`: the websocket gateway."""
+"""`python -m services.gateway --profile configs/tiny_cpu.yaml [--host H] [--port N]`: the websocket gateway."""
 import argparse
 import asyncio
 import dataclasses
@@ -36,11 +36,14 @@ async def run(config: GatewayConfig, endpoints: Endpoints, access: Access) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description="vitascope realtime gateway")
     parser.add_argument("--profile", required=True)
+    parser.add_argument("--host", help="override gateway.host")
     parser.add_argument("--port", type=int, help="override gateway.port")
     args = parser.parse_args()
     configure_logging("gateway")
     profile = load_profile(args.profile)
     config = profile.gateway
+    if args.host is not None:
+        config = dataclasses.replace(config, host=args.host)
     if args.port is not None:
         config = dataclasses.replace(config, port=args.port)
     access = Access(config.auth, load_tokens(config.auth, os.environ))  # tokens read here only, never logged
