@@ -84,12 +84,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
-def configure_logging(service: str, level: int | str = logging.INFO, stream: TextIO | None = None) -> None:
-    """Send every logger's records to `stream` (stderr by default) as JSON lines; replaces root handlers."""
+class HumanFormatter(logging.Formatter):
+    """One readable line per record, for a terminal: time, service, level, message, then the context fields."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__(f"%(asctime)s {service:7s} %(levelname)-7s %(message)s", datefmt="%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        context = {**_CONTEXT.get(), **{k: v for k, v in vars(record).items()
+                                         if k not in _STANDARD_ATTRS and k not in _CORE_FIELDS}}
+        return line + ("  [" + " ".join(f"{k}={v}" for k, v in context.items()) + "]" if context else "")
+
+
+def configure_logging(service: str, level: int | str = logging.INFO, stream: TextIO | None = None,
+                      human: bool | None = None) -> None:
+    """Send every logger's records to `stream` (stderr by default), replacing root handlers: readable lines when
+    `human` (default: when the stream is a terminal), JSON lines otherwise (files, collectors, Kubernetes)."""
     if not service:
         raise ValueError("configure_logging: service name is empty; pass e.g. 'dit'")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(JsonFormatter(service))
+    stream = stream if stream is not None else sys.stderr
+    if human is None:
+        human = hasattr(stream, "isatty") and stream.isatty()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(HumanFormatter(service) if human else JsonFormatter(service))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -121,3 +121,19 @@ def test_configure_logging_replaces_root_handlers():
     assert entry["service"] == "dit" and entry["msg"] == "phase 4" and entry["session_id"] == "video_stream-x"
     with pytest.raises(ValueError, match="service name"):
         configure_logging("")
+
+
+def test_a_terminal_gets_readable_lines_and_anything_else_json_lines():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = Terminal(), io.StringIO()
+    for stream in (tty, pipe):
+        configure_logging("dit", stream=stream)
+        with log_context(session_id="s1"):
+            logging.getLogger("services.dit.x").info("loaded shard %d/%d", 1, 4)
+    line = tty.getvalue().strip()
+    assert " dit " in line and "INFO" in line and line.endswith("loaded shard 1/4  [session_id=s1]")
+    assert line[0].isdigit() and not line.startswith("{")
+    assert json.loads(pipe.getvalue())["msg"] == "loaded shard 1/4"
