@@ -11,7 +11,9 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import grpc
@@ -56,6 +58,20 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 HEALTH_POLL_SECONDS = 1.0
 FAILED_EXIT_CODE = 3
 """A stage's exit code when it broke for good while serving (its supervisor restarts it)."""
+
+
+WORKER_THREADS = 8
+"""Threads of a stage's default executor (`asyncio.to_thread`): all started at once, so the count stays constant
+while serving instead of growing with the first concurrent calls."""
+
+
+def started_pool(workers: int, thread_name_prefix: str) -> ThreadPoolExecutor:
+    """A thread pool whose `workers` threads all run already (a pool otherwise starts them one by one, lazily)."""
+    pool = ThreadPoolExecutor(workers, thread_name_prefix=thread_name_prefix)
+    barrier = threading.Barrier(workers)
+    for future in [pool.submit(barrier.wait) for _ in range(workers)]:  # each waits until all run: one per thread
+        future.result()
+    return pool
 
 
 class Stage(ABC):
@@ -105,6 +121,7 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.set_default_executor(started_pool(WORKER_THREADS, thread_name_prefix="stage-worker"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from services.common.errors import ClientError, Fault
 from services.common.logging_setup import log_context
+from services.common.memory import release_free_heap
 from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PHASES_PER_REQUEST
 from services.common.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
@@ -331,6 +332,7 @@ class Session:
             self._metrics.sessions_total.labels(outcome=outcome.value).inc()
             logger.info("session %s ended: %s after %d chunks", self.request_id, outcome.value,
                         self._chunks_sent)
+            release_free_heap()  # its chunks' buffers: back to the system, not kept in the allocator's arenas
 
     def _accepted_config(self) -> dict[str, object]:
         """The start as accepted (defaults filled in), echoed in video.start."""

@@ -22,6 +22,7 @@ from services.common.config import Profile
 from services.common.errors import InvalidInput, NotReady, SequenceMismatch
 from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
+from services.common.memory import release_free_heap
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.vae.incremental import (IncrementalAudioDecoder, IncrementalVideoDecoder, audio_graph_lengths,
                                       held_audio_latents, warm_up_video)
@@ -279,7 +280,9 @@ class DecodeStreams:
 
     async def open(self, width: int, height: int, fps: int, sample_rate: int,
                    write: Callable[[int, Chunk], Awaitable[None]]) -> DecodeStream:
-        """Start one stream (its decoders and muxer, in a worker thread); `write` sends its chunks."""
+        """Start one stream (its decoders and muxer, in a worker thread); `write` sends its chunks. What the
+        streams before it freed goes back to the system first (`release_free_heap`)."""
+        await asyncio.to_thread(release_free_heap)
         session = await asyncio.to_thread(self.service.open, width, height, fps, sample_rate)
         return DecodeStream(session, self._phases, write)
 

@@ -80,3 +80,19 @@ async def test_a_stage_that_breaks_for_good_stops_serving_to_be_restarted():
     stage = _Idle(fail_after_start=True)
     stopped = await asyncio.wait_for(serve(stage, "test.v1.Idle", lambda server, stage: None, _free_port()), 30)
     assert stopped is False and stage.closed
+
+
+def test_a_started_pool_runs_all_its_threads_before_any_call():
+    import threading
+
+    from services.common.grpc_server import started_pool
+
+    before = threading.active_count()
+    pool = started_pool(5, "probe")
+    try:
+        assert threading.active_count() - before == 5
+        for _ in range(20):
+            pool.submit(lambda: None).result()
+        assert threading.active_count() - before == 5  # calls use the started threads, none is added
+    finally:
+        pool.shutdown()
