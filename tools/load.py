@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import yaml
 
 from services.up import bring_up
 from tools.bench_tiny import ROOT
@@ -193,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="an already running gateway's websocket URL (default: bring one up)")
     parser.add_argument("--metrics", nargs="*", default=[], help="with --url: the stages' /metrics URLs")
     parser.add_argument("--profile", type=pathlib.Path, default=ROOT / "configs" / "tiny_cpu.yaml")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds each client may take")
+    parser.add_argument("--queue-limit", type=int, help="the gateway's queue (default: --clients, so none is "
+                                                         "turned away with queue_full)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each client may take")
     parser.add_argument("--idle-timeout", type=float, default=30.0)
     parser.add_argument("--service-log", default="/tmp/vitascope_load_services.log")
     args = parser.parse_args(argv)
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             url, metrics_urls = args.url, args.metrics
         else:
             profile, port, metrics_urls = soak_profile(args.profile, pathlib.Path(tmp))
+            raw = yaml.safe_load(profile.read_text())  # room in the queue for every client: all of them are served
+            raw["gateway"]["queue_limit"] = args.clients if args.queue_limit is None else args.queue_limit
+            profile.write_text(yaml.safe_dump(raw))
             url = f"ws://127.0.0.1:{port}/v1/realtime/video"
             with open(args.service_log, "ab") as service_log:
                 saved = os.dup(1), os.dup(2)
