@@ -9,6 +9,7 @@ import signal
 from aiohttp import web
 
 from services.common.config import Endpoints, GatewayConfig, load_profile
+from services.common.grpc_server import started_pool
 from services.common.logging_setup import configure_logging
 from services.gateway.access import Access, load_tokens
 from services.gateway.grpc_pipeline import GrpcPipeline
@@ -17,6 +18,7 @@ from services.gateway.ws import create_app
 
 async def run(config: GatewayConfig, endpoints: Endpoints, access: Access) -> None:
     """Serve until SIGTERM / Ctrl-C, then close the sessions and the backend channels."""
+    asyncio.get_running_loop().set_default_executor(started_pool(4, "gateway-worker"))  # a constant thread count
     pipeline = GrpcPipeline(endpoints.encoder, endpoints.dit, endpoints.vae,  # channels bind to this loop
                             drain_timeout_s=config.drain_timeout_s)
     runner = web.AppRunner(create_app(config, pipeline, access=access))
