@@ -60,11 +60,6 @@ FAILED_EXIT_CODE = 3
 """A stage's exit code when it broke for good while serving (its supervisor restarts it)."""
 
 
-WORKER_THREADS = 8
-"""Threads of a stage's default executor (`asyncio.to_thread`): all started at once, so the count stays constant
-while serving instead of growing with the first concurrent calls."""
-
-
 def started_pool(workers: int, thread_name_prefix: str) -> ThreadPoolExecutor:
     """A thread pool whose `workers` threads all run already (a pool otherwise starts them one by one, lazily)."""
     pool = ThreadPoolExecutor(workers, thread_name_prefix=thread_name_prefix)
@@ -121,7 +116,6 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(started_pool(WORKER_THREADS, thread_name_prefix="stage-worker"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
