@@ -12,6 +12,7 @@ Knows nothing about what the services are: each is a command line and a liveness
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -172,6 +173,10 @@ class Supervisor:
         for child in self._children.values():
             child.proc = None
             self.metrics.up.labels(child.spec.name).set(0)
+        for pid in _own_children():  # a service spawned as a Ctrl-C landed, before it was recorded (the
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):  # launcher has no other children)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
 
     # -- internals --
     def _launch(self, child: _Child) -> subprocess.Popen:
@@ -218,6 +223,16 @@ class Supervisor:
         log.warning("%s (pid %d) exited (%s): restarting in %.1f s (exit %d of %d allowed in %.0f s)",
                     child.spec.name, proc.pid, how, delay, len(child.exits), self.policy.crash_loop_exits - 1,
                     window)
+
+
+def _own_children() -> list[int]:
+    """The pids of this process's live children, from /proc (empty where /proc has no children lists)."""
+    pids: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(pid) for pid in f.read().split()]
+    return pids
 
 
 def _spawn_in_own_group(command: Sequence[str]) -> subprocess.Popen:
