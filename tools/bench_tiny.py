@@ -25,6 +25,7 @@ import numpy as np
 import yaml
 
 from services.client import ClientOptions, ClientResult, PromptUpdate, stream
+from services.supervisor import Supervisor
 from services.up import bring_up
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -67,6 +68,20 @@ def write_profile(base: pathlib.Path, workdir: pathlib.Path) -> tuple[pathlib.Pa
     path = workdir / "profile.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path, port
+
+
+def bring_up_logged(profile: pathlib.Path, service_log: str) -> Supervisor:
+    """`bring_up` with the services' output appended to `service_log` (the children inherit these descriptors while
+    they start), so this tool's own output stays readable."""
+    with open(service_log, "ab") as log_file:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(log_file.fileno(), 1)
+        os.dup2(log_file.fileno(), 2)
+        try:
+            return bring_up(profile)
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
 
 
 def media_seconds_of(requests: int) -> float:
@@ -182,15 +197,7 @@ def main() -> int:
         profile, port = write_profile(args.profile, pathlib.Path(tmp))
         url, http_url = f"ws://127.0.0.1:{port}/v1/realtime/video", f"http://127.0.0.1:{port}"
         started = time.monotonic()
-        with open(args.service_log, "ab") as service_log:
-            saved = os.dup(1), os.dup(2)
-            os.dup2(service_log.fileno(), 1)  # the children inherit these while they start
-            os.dup2(service_log.fileno(), 2)
-            try:
-                supervisor = bring_up(profile)
-            finally:
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
+        supervisor = bring_up_logged(profile, args.service_log)
         up_seconds = time.monotonic() - started
         try:
             before = scrape_stages(http_url)

@@ -16,7 +16,6 @@ import asyncio
 import collections
 import json
 import logging
-import os
 import pathlib
 import sys
 import tempfile
@@ -27,8 +26,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import yaml
 
-from services.up import bring_up
-from tools.bench_tiny import ROOT
+from tools.bench_tiny import ROOT, bring_up_logged
 from tools.soak import metric_total, soak_profile
 
 log = logging.getLogger("load")
@@ -211,15 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             raw["gateway"]["queue_limit"] = args.clients if args.queue_limit is None else args.queue_limit
             profile.write_text(yaml.safe_dump(raw))
             url = f"ws://127.0.0.1:{port}/v1/realtime/video"
-            with open(args.service_log, "ab") as service_log:
-                saved = os.dup(1), os.dup(2)
-                os.dup2(service_log.fileno(), 1)
-                os.dup2(service_log.fileno(), 2)
-                try:
-                    supervisor = bring_up(profile)
-                finally:
-                    os.dup2(saved[0], 1)
-                    os.dup2(saved[1], 2)
+            supervisor = bring_up_logged(profile, args.service_log)
         http_url = url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/v1/", 1)[0]
         try:
             started = time.monotonic()

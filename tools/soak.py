@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import yaml
 
 from services.client import ClientOptions, stream
-from services.up import bring_up
 from services.supervisor import Supervisor
-from tools.bench_tiny import ROOT, free_port, write_profile
+from tools.bench_tiny import ROOT, bring_up_logged, free_port, write_profile
 
 log = logging.getLogger("soak")
 
@@ -155,15 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
         profile, port, metrics_urls = soak_profile(args.profile, pathlib.Path(tmp))
         url, http_url = f"ws://127.0.0.1:{port}/v1/realtime/video", f"http://127.0.0.1:{port}"
-        with open(args.service_log, "ab") as service_log:
-            saved = os.dup(1), os.dup(2)
-            os.dup2(service_log.fileno(), 1)
-            os.dup2(service_log.fileno(), 2)
-            try:
-                supervisor = bring_up(profile)
-            finally:
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
+        supervisor = bring_up_logged(profile, args.service_log)
         try:
             started = time.monotonic()
             failed = asyncio.run(run_sessions(url, args.warmup, args.seconds, 0))
