@@ -5,14 +5,11 @@ incremental decoders (temporal context) and its own muxer (one H.264 + AAC timel
 
 Threads: every stream's blocking work (opening, each chunk, closing) runs on the service's one decode thread, and a
 phase's audio on its one audio thread; both run the warm-up, so the process's threads are the same from the first
-session to the last. Work handed to the event loop's default executor would run on whichever of its lazily started
-threads was free, and every new thread that runs torch gets an OpenMP team (and heap) of its own.
+session to the last (`services.common.threads` says why not the event loop's default executor).
 """
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import itertools
 import logging
 import pathlib
@@ -30,6 +27,7 @@ from services.common.errors import InvalidInput, NotReady, SequenceMismatch
 from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.memory import release_free_heap
+from services.common.threads import run_on
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.vae.incremental import (IncrementalAudioDecoder, IncrementalVideoDecoder, audio_graph_lengths,
                                       held_audio_latents, warm_up_video)
@@ -308,9 +306,8 @@ class DecodeStreams:
         self._phases = asyncio.Lock()
 
     async def run(self, func: Callable, *args):
-        """`func(*args)` on the service's decode thread, in the caller's context (its log fields)."""
-        call = functools.partial(contextvars.copy_context().run, func, *args)
-        return await asyncio.get_running_loop().run_in_executor(self.service.decode_worker, call)
+        """`func(*args)` on the service's decode thread (`services.common.threads`)."""
+        return await run_on(self.service.decode_worker, func, *args)
 
     async def open(self, width: int, height: int, fps: int, sample_rate: int,
                    write: Callable[[int, Chunk], Awaitable[None]]) -> DecodeStream:

@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import grpc
@@ -100,6 +101,9 @@ class FakeDiT:
 
 
 class FakeEncoder:
+    def __init__(self) -> None:
+        self.worker = ThreadPoolExecutor(1, "encoder")
+
     def encode(self, prompt: str) -> Encoded:
         return Encoded(embedding=torch.ones(3, 8), seconds=0.001)
 
@@ -129,10 +133,14 @@ class FakeDecodeSession:
         return Chunk(data=TRAILER, num_frames=5, num_audio_samples=TRAILER_AUDIO_SAMPLES, video_decode_seconds=0.0,
                      audio_decode_seconds=0.0, mux_seconds=0.0)
 
+    def discard(self) -> None:
+        pass  # no encoders to free
+
 
 class FakeVAE:
     def __init__(self) -> None:
         self.sessions: list[FakeDecodeSession] = []
+        self.decode_worker = ThreadPoolExecutor(1, "vae-decode")
         self.close_delay_s = 0.0
         self.split_first = False
 
