@@ -75,12 +75,13 @@ class NodeSample:
 
 
 def node_sample(sessions: int, supervisor: Supervisor, http_url: str, metrics_urls: list[str]) -> NodeSample:
-    """Sample every process, the gateway's occupancy and the leased IPC slots."""
+    """Sample every process, then the gateway's occupancy and the leased IPC slots: the processes first, as a stage's
+    metrics server answers each scrape on a thread (and socket) of its own that may not have ended yet."""
+    processes = {name: process_sample(supervisor.process(name).pid) for name in SERVICES}
     with urllib.request.urlopen(http_url + "/healthz", timeout=5) as reply:
         health = json.loads(reply.read())
     leased = sum(metric_total(url, "vitascope_ipc_leased_slots") for url in metrics_urls)
-    return NodeSample(sessions, {name: process_sample(supervisor.process(name).pid) for name in SERVICES},
-                      int(health["sessions_active"]), int(health["sessions_queued"]), leased)
+    return NodeSample(sessions, processes, int(health["sessions_active"]), int(health["sessions_queued"]), leased)
 
 
 def soak_profile(base: pathlib.Path, workdir: pathlib.Path) -> tuple[pathlib.Path, int, list[str]]:
