@@ -3,7 +3,8 @@
 A session's chunks are megabyte buffers; glibc's allocator keeps what they freed in its arenas, so a long-running
 process's RSS climbs with the sessions it served though nothing is held (seen: the VAE 892 → 1,340 MB over 400
 tiny sessions, flat at ~590 MB when trimmed). `release_free_heap` asks glibc to return it (`malloc_trim`); elsewhere
-it does nothing. Knows nothing about what allocated the memory.
+it does nothing. The gateway, the DiT and the VAE call it as each session ends, so an idle process holds none of its
+sessions' buffers. Knows nothing about what allocated the memory.
 """
 from __future__ import annotations
 
