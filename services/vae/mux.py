@@ -464,11 +464,13 @@ class FragmentedMP4Muxer:
         pcm = np.concatenate([self._pending_audio, audio], axis=1)
         usable = pcm.shape[1] if final else pcm.shape[1] - pcm.shape[1] % AAC_FRAME_SAMPLES
         packets = []
-        for start in range(0, usable, AAC_FRAME_SAMPLES):
-            block = np.ascontiguousarray(pcm[:, start:start + AAC_FRAME_SAMPLES])
-            frame = av.AudioFrame.from_ndarray(block, format="fltp", layout="stereo")
+        if usable:
+            # One frame for the whole run: PyAV's encoder cuts it into 1024-sample frames itself (a filter graph),
+            # and each `encode` call leaks a little (av 16.0.1: the message of the EAGAIN error that ends the graph's
+            # output, ~80 bytes), so a call per AAC frame leaked ~7 KB per session.
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, :usable]), format="fltp", layout="stereo")
             frame.sample_rate = self.sample_rate
-            frame.pts = self._samples_in + start
+            frame.pts = self._samples_in
             packets.extend(self._audio.encode(frame))
         self._samples_in += usable
         self._pending_audio = pcm[:, usable:]
