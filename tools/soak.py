@@ -5,7 +5,9 @@ N sessions one after another through the client library, and every `--every` ses
 resident memory, open file descriptors and threads (from /proc), the gateway's active/queued sessions and the
 leased CUDA IPC slots the stages report. At the end: each figure's change from the first sample (taken after the
 warm-up sessions) to the last, against the targets (descriptors and threads constant, RSS growth under
-`--rss-budget-mib` per process). Exit 1 when a session failed or a target was missed.
+`--rss-budget-mib` per process). The node rests `--rest-s` before those two samples: gRPC's event engine adds a
+worker thread while all of its threads are busy and ends it after 20 s idle. Exit 1 when a session failed or a
+target was missed.
 
 Knows only the profile format, `services.up`, the client library and the stages' metrics and /healthz.
 """
@@ -32,6 +34,8 @@ from tools.bench_tiny import ROOT, bring_up_logged, free_port, write_profile
 log = logging.getLogger("soak")
 
 SERVICES = ("encoder", "dit", "vae", "gateway")
+REST_S = 25.0
+"""Idle seconds before a sample that is compared: gRPC's event engine ends a thread it added after 20 s idle."""
 PROMPTS = ("a lighthouse on a cliff at dusk", "a red kite over green hills", "waves breaking on black rocks")
 
 
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="sessions before the first sample")
     parser.add_argument("--seconds", type=float, default=1.5, help="media seconds per session before session.stop")
     parser.add_argument("--rss-budget-mib", type=float, default=20.0)
+    parser.add_argument("--rest-s", type=float, default=REST_S, help="idle seconds before the first and last sample")
     parser.add_argument("--service-log", default="/tmp/vitascope_soak_services.log")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             failed = asyncio.run(run_sessions(url, args.warmup, args.seconds, 0))
             done = args.warmup
+            time.sleep(args.rest_s)
             samples = [node_sample(0, supervisor, http_url, metrics_urls)]
             print(f"soak: {args.sessions} sessions of {args.seconds:g} s media after {args.warmup} warm-up ones "
                   f"(profile {args.profile.name}, {os.cpu_count()} CPUs)\n{HEADER}\n{row(samples[0])}", flush=True)
@@ -182,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 batch = min(args.every, args.sessions - (done - args.warmup))
                 failed += asyncio.run(run_sessions(url, batch, args.seconds, done))
                 done += batch
+                if done - args.warmup == args.sessions:
+                    time.sleep(args.rest_s)
                 samples.append(node_sample(done - args.warmup, supervisor, http_url, metrics_urls))
                 print(row(samples[-1]), flush=True)
             elapsed = time.monotonic() - started
