@@ -1,10 +1,10 @@
 """Blocking work of a stage on threads of its own, not on the event loop's default executor.
 
-The default executor starts its threads lazily, one more whenever a call finds none idle, so the set of threads
-that ever ran a stage's work keeps changing over a long run; and every new thread that runs torch on the CPU gets
-an OpenMP team (and heap) of its own, which lives as long as the thread. A stage that runs its model work on a
-fixed executor of its own, started before its warm-up and warmed on it, keeps its threads from the first session to
-the last. Knows nothing about what the work computes.
+Work spread over the default executor's threads (a stage's `STAGE_WORKERS`, `services.common.grpc_server`) runs
+on whichever is free, and every thread that runs torch on the CPU gets an OpenMP team of its own, started the first
+time and kept as long as the thread, so the process's threads grow while it serves. A stage that runs its model
+work on an executor of its own, started before its warm-up and warmed on it, keeps those teams to its few threads
+from the first session to the last. Knows nothing about what the work computes.
 """
 from __future__ import annotations
 
