@@ -7,6 +7,7 @@ import os
 import signal
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 from services.common.config import Endpoints, GatewayConfig, load_profile
 from services.common.grpc_server import started_pool
@@ -16,12 +17,25 @@ from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.ws import create_app
 
 
+class AccessLog(AbstractAccessLogger):
+    """One line per HTTP request: method, path without its query (a browser's `?token=` must never reach a log),
+    status, bytes, seconds and peer. Successful probes of /healthz and /metrics are not logged (every few seconds)."""
+
+    QUIET_PATHS = frozenset({"/healthz", "/metrics"})
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if request.path in self.QUIET_PATHS and response.status < 400:
+            return
+        self.logger.info("%s %s %d %d B %.3f s from %s", request.method, request.path, response.status,
+                         response.body_length, time, request.remote)
+
+
 async def run(config: GatewayConfig, endpoints: Endpoints, access: Access) -> None:
     """Serve until SIGTERM / Ctrl-C, then close the sessions and the backend channels."""
     asyncio.get_running_loop().set_default_executor(started_pool(4, "gateway-worker"))  # a constant thread count
     pipeline = GrpcPipeline(endpoints.encoder, endpoints.dit, endpoints.vae,  # channels bind to this loop
                             drain_timeout_s=config.drain_timeout_s)
-    runner = web.AppRunner(create_app(config, pipeline, access=access))
+    runner = web.AppRunner(create_app(config, pipeline, access=access), access_log_class=AccessLog)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     logging.getLogger("services.gateway").info("gateway listening on http://%s:%d/", config.host, config.port)

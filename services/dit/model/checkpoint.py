@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import struct
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from services.common.errors import InternalError
+from services.common.startup import Steps, size_text
 from services.dit.model.network import DiT, ModelArgs, is_fp32_param, meta_model, rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -383,8 +383,9 @@ def load_dit(path: str | os.PathLike, preset_args: ModelArgs, device: torch.devi
     maps = key_maps(preset_args, info.layout)
     by_key = {k: m for m in maps for k in m.keys}
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    started, loaded_bytes = time.perf_counter(), 0
-    for number, shard in enumerate(info.shards, 1):
+    loaded_bytes = 0
+    shards = Steps(log, "DiT shards", len(info.shards))
+    for shard in info.shards:
         keys = [k for k, s in info.weight_map.items() if s == shard]
         loaded_bytes += (info.directory / shard).stat().st_size
         with safe_open(str(info.directory / shard), framework="pt", device=str(device)) as f:
@@ -396,8 +397,7 @@ def load_dit(path: str | os.PathLike, preset_args: ModelArgs, device: torch.devi
                     t = _to_model(m, [parts[k] for k in m.keys], preset_args)
                     _assign(model, m.name, t.to(torch.float32 if is_fp32_param(m.name) else dtype))
                     del pending[m.name]
-        log.info("loaded shard %d/%d %s (%d tensors; %.1f GiB in %.0f s)", number, len(info.shards), shard, len(keys),
-                 loaded_bytes / 2**30, time.perf_counter() - started)
+        shards.tick(f"{shard}: {len(keys)} tensors, {size_text(loaded_bytes)} in all")
     if info.layout == "diffusers":
         _assign(model, "rope.inv_freq", rope_inv_freq(preset_args.rope_freqs, preset_args.rope_theta).to(device))
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
