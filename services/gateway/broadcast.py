@@ -259,6 +259,8 @@ class Viewer:
         self.chunks_skipped = 0
         """Chunks it never got because it skipped ahead past them."""
         self.dropped = False
+        self.on_drop: Callable[[], None] | None = None
+        """Called (synchronously, once) when the viewer is dropped: its transport may be stuck in a send."""
         self._ready = asyncio.Event()
 
     def __enter__(self) -> Viewer:
@@ -307,6 +309,8 @@ class Viewer:
                 logger.info("session %s: a viewer fell behind %d times in a row; dropped",
                             self.broadcast.session_id, self._skips_in_row)
                 self._wake()
+                if self.on_drop is not None:
+                    self.on_drop()
                 return
         self._queue.append(chunk)
         self._wake()

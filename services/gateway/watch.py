@@ -1,8 +1,9 @@
 """One viewer's watch websocket: streams a session's broadcast to it and answers its pings.
 
 What a viewer is sent and may send is documented in `protocol`'s module docstring. The stream comes from the
-viewer's own `broadcast.Viewer` queue, so a viewer that reads slowly only ever holds up itself: it skips ahead, is
-dropped with `viewer_too_slow`, or (reading nothing for `send_timeout_s`) has its socket aborted by the sink.
+viewer's own `broadcast.Viewer` queue, so a viewer that reads slowly only ever holds up itself: it skips ahead, or
+is dropped: with `viewer_too_slow` when it falls behind too often (its socket aborted at once, without the `error`,
+if a send to it is stuck at that moment), and with its socket aborted when one send takes `send_timeout_s`.
 
 Knows nothing about HTTP checks, tokens or routes (`ws` does them before the upgrade) nor about generation.
 """
@@ -45,7 +46,14 @@ class WireSink(Protocol):
 
     @property
     def dropped(self) -> bool:
-        """True once a send timed out and the connection was aborted."""
+        """True once the connection was aborted (a send timed out, or `abort`)."""
+
+    @property
+    def sending(self) -> bool:
+        """True while a message is on its way to the socket."""
+
+    def abort(self) -> None:
+        """Drop the connection now."""
 
     async def send(self, message: ServerMessage) -> None:
         """Deliver one control message."""
@@ -66,6 +74,8 @@ class WatchConnection:
         self._metrics = metrics
         self._over = False
         """Set when the stream ended: the frame reader stops at its next frame even if its cancel was lost."""
+        self._too_slow = False
+        viewer.on_drop = self._on_drop
 
     async def serve(self) -> None:
         """Stream until the end; close the socket with the close code the protocol names."""
@@ -85,7 +95,7 @@ class WatchConnection:
             await asyncio.gather(stream, reader, return_exceptions=True)
             self._viewer.close()
             self._metrics.viewers.dec()
-            if self._sink.dropped:
+            if self._sink.dropped and not self._too_slow:
                 self._metrics.viewers_dropped_total.labels(reason="send_timeout").inc()
 
     async def _stream(self) -> WSCloseCode | None:
@@ -109,7 +119,6 @@ class WatchConnection:
             await self._sink.send(SessionDone(broadcast.session_id, sent, stopped=done is None or done.stopped))
             return WSCloseCode.OK
         except ViewerTooSlow as exc:
-            self._metrics.viewers_dropped_total.labels(reason="too_slow").inc()
             self._metrics.errors_total.labels(code=ErrorCode.VIEWER_TOO_SLOW.value).inc()
             try:
                 await self._sink.send(ErrorMessage(ErrorCode.VIEWER_TOO_SLOW,
@@ -154,6 +163,14 @@ class WatchConnection:
                     return
             except ClientGone:
                 return
+
+    def _on_drop(self) -> None:
+        """The viewer fell behind too often: if a send is stuck on it, abort (no `error` could reach it), else
+        `_stream` sends `viewer_too_slow` when it asks for its next chunk."""
+        self._too_slow = True
+        self._metrics.viewers_dropped_total.labels(reason="too_slow").inc()
+        if self._sink.sending:
+            self._sink.abort()
 
     def _parse(self, text: str) -> object:
         """A client message; a known type that fails its checks is refused as `not_director` all the same."""

@@ -224,12 +224,18 @@ class _WebSocketSink:
             await asyncio.wait_for(send, self._timeout_s)
         except asyncio.TimeoutError:
             logger.warning("the client read nothing for %g s; dropping the connection", self._timeout_s)
-            self._drop()
+            self.abort()
             raise ClientGone("the client stopped reading") from None
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone(str(exc)) from None
 
-    def _drop(self) -> None:
+    @property
+    def sending(self) -> bool:
+        """True while a message is on its way to the socket (it may be stuck behind a client that reads nothing)."""
+        return self._lock.locked()
+
+    def abort(self) -> None:
+        """Drop the connection now (every later send raises ClientGone)."""
         self._dropped = True
         if self._transport is not None:
             self._transport.abort()
