@@ -10,7 +10,15 @@ from aiohttp.test_utils import TestServer
 
 from services.common.config import GatewayAuthConfig
 from services.gateway.access import Access
-from tests.gateway.fakes import FakeBehaviour, FakePipeline, Transcript, read_until, running_gateway, small_config, ws_url
+from tests.gateway.fakes import (
+    FakeBehaviour,
+    FakePipeline,
+    Transcript,
+    read_until,
+    running_gateway,
+    small_config,
+    ws_url,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -44,8 +52,8 @@ async def test_a_late_viewer_gets_the_init_then_the_director_bytes_from_the_newe
     assert viewer.texts[0] == {**start, "role": "viewer"}
     init_meta, metas = viewer.texts[1], viewer.of_type("video.chunk_metadata")
     assert init_meta["type"] == "video.init_segment" and init_meta["byte_length"] == len(viewer.binaries[0])
-    assert viewer.order[1:] == ["text:video.init_segment", "binary", *["text:video.chunk_metadata", "binary"] * len(metas),
-                                "text:session.done"]
+    pairs = ["text:video.chunk_metadata", "binary"] * len(metas)
+    assert viewer.order[1:] == ["text:video.init_segment", "binary", *pairs, "text:session.done"]
     first = metas[0]["transport_chunk_index"]
     assert first >= 2 and [m["transport_chunk_index"] for m in metas] == list(range(first, 11))
     director_metas = director.of_type("video.chunk_metadata")
