@@ -295,15 +295,16 @@ def report(runs: list[Run], base: Run, args, loads: tuple) -> str:
         f"session: {args.requests} requests paced to media time, {len(base.director_arrivals)} media chunks, "
         f"{base.director_bytes / 1e6:.1f} MB to the director, tiny preset 320x192",
         "",
-        f"{'run':<10} {'interval mean/p95/max s':>24} {'ratio':>6} {'first':>6} {'later':>7} "
-        f"{'viewer lag p50/p95 s':>21} "
+        f"{'run':<10} {'interval mean/p95/max s':>24} {'ratio':>6} {'first':>6} {'later':>7}{'':4} "
+        f"{'lag p50/p95 s':>17} "
         f"{'CPU %':>6} {'per viewer':>10} {'RSS MiB':>8} {'per viewer':>11} {'to viewers MB':>14} "
         f"{'each':>6} {'clients %':>9}  ended",
     ]
     for run in runs:
         iv = run.intervals
         first, first_base = run.director_arrivals[0], base.director_arrivals[0]
-        later = max((a - first) - (b - first_base) for a, b in zip(run.director_arrivals, base.director_arrivals))
+        late = [(a - first) - (b - first_base) for a, b in zip(run.director_arrivals, base.director_arrivals)]
+        worst = int(np.argmax(late))
         cpu_pct = 100 * run.cpu_s / run.wall_s
         extra_cpu = (cpu_pct - 100 * base.cpu_s / base.wall_s) / run.viewers if run.viewers else 0.0
         extra_rss = (run.rss_peak_mib - base.rss_peak_mib) * 1024 / run.viewers if run.viewers else 0.0
@@ -313,13 +314,13 @@ def report(runs: list[Run], base: Run, args, loads: tuple) -> str:
             ended += f" ({run.dropped:.0f} dropped)"
         lines.append(
             f"{run.label:<10} {iv.mean():>8.3f}/{np.percentile(iv, 95):.3f}/{iv.max():.3f}  "
-            f"{iv.mean() / base.intervals.mean():>6.3f} {first:>6.3f} {later:>+7.3f} {lag:>21} {cpu_pct:>6.1f} "
+            f"{iv.mean() / base.intervals.mean():>6.3f} {first:>6.3f} {late[worst]:>+7.3f}{f'@{worst}':<4} {lag:>17} {cpu_pct:>6.1f} "
             f"{extra_cpu:>9.3f}% {run.rss_peak_mib:>8.1f} {extra_rss:>7.0f} KiB {run.viewer_bytes / 1e6:>14.1f} "
             f"{(run.viewer_bytes / run.viewers / 1e6 if run.viewers else 0):>6.2f} "
             f"{100 * run.client_cpu_s / run.wall_s:>9.1f}  {ended}")
     lines += ["", "interval: between the director's media chunks; ratio: mean against the 0-viewer run; first: "
               "session.start to the first media chunk (s); later: the most any chunk reached the director later, "
-              "counted from its first chunk, than in the 0-viewer run (s); viewer lag: a chunk's "
+              "counted from its first chunk, than in the 0-viewer run (s), @ which media chunk; lag: a chunk's "
               "metadata at a viewer after it reached the director; CPU %: the gateway's, one core = 100, over the "
               "session; per viewer: above the 0-viewer run, divided by the viewers; RSS: the gateway's peak; "
               "clients %: this process's CPU (the director and the viewers) over the session"]
