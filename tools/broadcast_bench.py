@@ -6,9 +6,10 @@ viewers on its watch URL, and once more with `--hls-pollers` LL-HLS readers of i
 message, when the gateway serves no HLS routes). Each viewer connects as soon as the director has `video.start` and
 reads everything (a raw socket that counts bytes and notes when each chunk's metadata arrives: the load of the
 clients on this machine stays small); an HLS reader fetches the playlist with blocking reloads and every part it
-lists. Prints per run: the director's media-chunk intervals and their ratio to the 0-viewer run, how much later
-than in that run its chunks came, the viewers' lag behind the director, the gateway's CPU and peak memory (from
-/proc) and their increase per viewer, and the bytes the gateway sent to viewers (its metrics).
+lists. The viewers run in a process of their own, so their load never delays the director's client. Prints per
+run: the director's media-chunk intervals and their ratio to the 0-viewer run, how much later than in that run its
+chunks came, the viewers' lag behind the director, the gateway's CPU and peak memory (from /proc) and their
+increase per viewer, and the bytes the gateway sent to viewers (its metrics).
 
 Knows only the profile format, `services.up`, the websocket protocol, HLS playlists and the gateway's /metrics.
 """
@@ -19,6 +20,7 @@ import asyncio
 import base64
 import json
 import logging
+import multiprocessing
 import os
 import pathlib
 import re
@@ -194,16 +196,54 @@ class Run:
     lags_s: list[float]
     dropped: float
     client_cpu_s: float
-    """CPU seconds of this process (the director and every viewer) over the session."""
+    """CPU seconds of the viewers' process over the session."""
 
     @property
     def intervals(self) -> np.ndarray:
         return np.diff(np.array(self.director_arrivals))
 
 
-async def run_session(port: int, pid: int, num_frames: int, viewers: int, hls_pollers: int,
+@dataclass
+class Watched:
+    """What one viewer (websocket or HLS) got."""
+
+    how: str
+    received: int
+    arrivals: dict[int, float]
+    """Monotonic time (a clock all processes share) at which each chunk, by transport index, reached it."""
+
+
+async def watch_all(port: int, watch_path: str, viewers: int, hls_path: str, hls_readers: int,
+                    timeout_s: float) -> list[Watched]:
+    """Connect `viewers` raw websocket viewers and start `hls_readers` HLS readers; wait for all of them."""
+    loop, host = asyncio.get_running_loop(), f"127.0.0.1:{port}"
+    raw: list[RawViewer] = []
+    for _ in range(viewers):
+        _, viewer = await loop.create_connection(lambda: RawViewer(watch_path, host), "127.0.0.1", port)
+        raw.append(viewer)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        readers = [read_hls(http, f"http://{host}{hls_path}", timeout_s) for _ in range(hls_readers)]
+        hls = await asyncio.wait_for(asyncio.gather(*readers), timeout_s) if readers else []
+        ends = await asyncio.wait_for(asyncio.gather(*(v.done for v in raw)), timeout_s) if raw else []
+    out = [Watched(how, v.received, v.arrivals) for how, v in zip(ends, raw)]
+    for reader in hls:  # a part's URI names its transport index (`part/<index>.m4s`)
+        arrivals = {int(m.group(1)): at for uri, at in reader.arrivals.items()
+                    if (m := re.search(r"(\d+)\.m4s", uri))}
+        out.append(Watched(reader.how, reader.received, arrivals))
+    return out
+
+
+def viewer_process(conn, port: int, timeout_s: float) -> None:
+    """The viewers' own process (so their load never delays the director's client): one job per session."""
+    while (job := conn.recv()) is not None:
+        started = time.process_time()
+        watched = asyncio.run(watch_all(port, *job, timeout_s))
+        conn.send((watched, time.process_time() - started))
+
+
+async def run_session(port: int, pid: int, viewers_conn, num_frames: int, viewers: int, hls_readers: int,
                       timeout_s: float, label: str) -> Run:
-    """One paced session; `viewers` websocket viewers or `hls_pollers` HLS readers join at its video.start."""
+    """One paced session; `viewers` websocket viewers or `hls_readers` HLS readers join at its video.start."""
     http_url, host = f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"
     bytes_before = metric_total(http_url + "/metrics", "vitascope_viewer_bytes_total")
     dropped_before = metric_total(http_url + "/metrics", "vitascope_viewers_dropped_total")
@@ -218,15 +258,13 @@ async def run_session(port: int, pid: int, num_frames: int, viewers: int, hls_po
             await asyncio.sleep(0.2)
 
     sampler = asyncio.ensure_future(sample_rss())
-    raw: list[RawViewer] = []
-    readers: list[asyncio.Future] = []
     arrivals: list[float] = []
     index_at: dict[int, float] = {}
     director_bytes = 0
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as http:
+    watching = viewers or hls_readers
+    async with aiohttp.ClientSession() as http:
         async with http.ws_connect(f"ws://{host}/v1/realtime/video", max_msg_size=0, compress=0) as ws:
-            cpu0, t0, own0 = gateway_cpu_s(pid), time.monotonic(), time.process_time()
+            cpu0, t0 = gateway_cpu_s(pid), time.monotonic()
             await ws.send_str(json.dumps({"type": "session.start", "prompt": PROMPT, "seed": 7,
                                           "num_frames": num_frames,
                                           "extra_params": {"pace_to_media_time": True}}))
@@ -237,13 +275,8 @@ async def run_session(port: int, pid: int, num_frames: int, viewers: int, hls_po
                 if msg.type != aiohttp.WSMsgType.TEXT:
                     break
                 body = json.loads(msg.data)
-                if body["type"] == "video.start":
-                    for _ in range(viewers):
-                        _, viewer = await loop.create_connection(lambda: RawViewer(body["watch_url"], host),
-                                                                 "127.0.0.1", port)
-                        raw.append(viewer)
-                    readers = [asyncio.ensure_future(read_hls(http, http_url + body["hls_url"], timeout_s))
-                               for _ in range(hls_pollers)]
+                if body["type"] == "video.start" and watching:
+                    viewers_conn.send((body["watch_url"], viewers, body["hls_url"], hls_readers))
                 elif body["type"] == "video.chunk_metadata":
                     index_at[body["transport_chunk_index"]] = time.monotonic()
                     if body["kind"] == "media":
@@ -252,29 +285,23 @@ async def run_session(port: int, pid: int, num_frames: int, viewers: int, hls_po
                     if body["type"] == "error":
                         raise RuntimeError(f"the director got an error: {body}")
                     break
-            cpu1, t1, own1 = gateway_cpu_s(pid), time.monotonic(), time.process_time()
-        ends = await asyncio.wait_for(asyncio.gather(*(v.done for v in raw)), timeout_s) if raw else []
-        hls = await asyncio.wait_for(asyncio.gather(*readers), timeout_s) if readers else []
+            cpu1, t1 = gateway_cpu_s(pid), time.monotonic()
+    watched, client_cpu = (await asyncio.wait_for(loop.run_in_executor(None, viewers_conn.recv), timeout_s)
+                           if watching else ([], 0.0))
     sampling = False
     await sampler
-    lags = [at - index_at[i] for v in raw for i, at in v.arrivals.items() if i in index_at]
+    lags = [at - index_at[i] for w in watched for i, at in w.arrivals.items() if i in index_at]
     ended: dict[str, int] = {}
-    for how in [*ends, *(h.how for h in hls)]:
-        ended[how] = ended.get(how, 0) + 1
-    # HLS readers: a part's URI names its transport index (`part/<index>.m4s`) when the gateway's layout does
-    for reader in hls:
-        for uri, at in reader.arrivals.items():
-            match = re.search(r"(\d+)\.m4s", uri)
-            if match and int(match.group(1)) in index_at:
-                lags.append(at - index_at[int(match.group(1))])
+    for w in watched:
+        ended[w.how] = ended.get(w.how, 0) + 1
     viewer_bytes = metric_total(http_url + "/metrics", "vitascope_viewer_bytes_total") - bytes_before
-    if hls:
-        viewer_bytes = float(sum(h.received for h in hls))  # HLS answers are not in the websocket counters
-    return Run(label=label, viewers=viewers or hls_pollers, director_arrivals=arrivals, director_index_at=index_at,
+    if hls_readers:
+        viewer_bytes = float(sum(w.received for w in watched))  # HLS answers are not in the websocket counters
+    return Run(label=label, viewers=watching, director_arrivals=arrivals, director_index_at=index_at,
                cpu_s=cpu1 - cpu0, wall_s=t1 - t0, rss_peak_mib=peak[0], rss_before_mib=rss_before,
                viewer_bytes=viewer_bytes, director_bytes=director_bytes, ended=ended, lags_s=lags,
                dropped=metric_total(http_url + "/metrics", "vitascope_viewers_dropped_total") - dropped_before,
-               client_cpu_s=own1 - own0)
+               client_cpu_s=client_cpu)
 
 
 def hls_served(port: int) -> bool:
@@ -323,22 +350,21 @@ def report(runs: list[Run], base: Run, args, loads: tuple) -> str:
               "counted from its first chunk, than in the 0-viewer run (s), @ which media chunk; lag: a chunk's "
               "metadata at a viewer after it reached the director; CPU %: the gateway's, one core = 100, over the "
               "session; per viewer: above the 0-viewer run, divided by the viewers; RSS: the gateway's peak; "
-              "clients %: this process's CPU (the director and the viewers) over the session"]
+              "clients %: the viewers' process's CPU over the session (the director's client runs in a process of its own)"]
     return "\n".join(lines)
 
 
-async def bench(args, port: int, pid: int) -> list[Run]:
+async def bench(args, port: int, pid: int, viewers_conn, timeout_s: float) -> list[Run]:
     requests_frames = FIRST_REQUEST_FRAMES + LATER_REQUEST_FRAMES * (args.requests - 1)
-    timeout_s = 60.0 + 10.0 * args.requests
-    await run_session(port, pid, FIRST_REQUEST_FRAMES, 0, 0, timeout_s, "warm-up")
+    await run_session(port, pid, viewers_conn, FIRST_REQUEST_FRAMES, 0, 0, timeout_s, "warm-up")
     runs = []
     for n in args.viewers:
-        runs.append(await run_session(port, pid, requests_frames, n, 0, timeout_s, f"{n} ws"))
+        runs.append(await run_session(port, pid, viewers_conn, requests_frames, n, 0, timeout_s, f"{n} ws"))
         print(f"  {runs[-1].label}: done", file=sys.stderr, flush=True)
     if args.hls_pollers:
         if hls_served(port):
-            runs.append(await run_session(port, pid, requests_frames, 0, args.hls_pollers, timeout_s,
-                                          f"{args.hls_pollers} hls"))
+            runs.append(await run_session(port, pid, viewers_conn, requests_frames, 0, args.hls_pollers,
+                                          timeout_s, f"{args.hls_pollers} hls"))
         else:
             print(f"skipping the {args.hls_pollers} HLS readers: this gateway serves no "
                   "/v1/realtime/video/hls/{id}/playlist.m3u8", flush=True)
@@ -368,11 +394,18 @@ def main() -> int:
         raw["gateway"].update(auth={"max_connections_per_address": 4096}, heartbeat_s=600.0,
                               broadcast={"max_viewers": max([*args.viewers, args.hls_pollers, 1])})
         profile.write_text(yaml.safe_dump(raw))
+        timeout_s = 60.0 + 10.0 * args.requests
+        context = multiprocessing.get_context("spawn")
+        viewers_conn, child_conn = context.Pipe()
+        viewers = context.Process(target=viewer_process, args=(child_conn, port, timeout_s), daemon=True)
+        viewers.start()
         supervisor = bring_up_logged(profile, str(args.service_log))
         try:
-            runs = asyncio.run(bench(args, port, supervisor.process("gateway").pid))
+            runs = asyncio.run(bench(args, port, supervisor.process("gateway").pid, viewers_conn, timeout_s))
         finally:
             supervisor.stop_all()
+            viewers_conn.send(None)
+            viewers.join(10)
     loads.append(os.getloadavg())
     print(report(runs, runs[0], args, tuple(loads)))
     return 0
