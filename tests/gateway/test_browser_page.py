@@ -190,7 +190,9 @@ async def test_two_viewers_see_the_directors_frames_from_a_keyframe_with_sound(b
         shared = [(round(t * FPS), x) for t, x, *_ in samples[f"viewer {k}"] if round(t * FPS) in director_frames]
         assert len(shared) >= 10, f"viewer {k} and the director presented only {len(shared)} frames in common"
         assert all(abs(director_frames[f] - x) <= 2 for f, x in shared), shared
-    # each viewer's first presented frame is its first chunk's first frame: the chunk opens with a keyframe
+    # each viewer's first presented frame is one of its first chunk's: that chunk opens with a keyframe (else MSE
+    # would drop its frames up to the next chunk's); the very first frames may go unpresented while playback starts
     viewer_starts = [min(t for t, *_ in samples[f"viewer {k}"]) for k in range(2)]
-    assert all(abs(s - c * CHUNK_FRAMES / FPS) < 1.5 / FPS for s, c in zip(viewer_starts, first_chunks)), (
-        viewer_starts, first_chunks)
+    for start_s, chunk in zip(viewer_starts, first_chunks):
+        assert chunk * CHUNK_FRAMES / FPS - 0.5 / FPS < start_s < (chunk + 1) * CHUNK_FRAMES / FPS - 0.5 / FPS, (
+            viewer_starts, first_chunks)

@@ -91,9 +91,9 @@ class MsePlayer {
     const video = this.video;
     const ranges = this.sourceBuffer.buffered;
     if (ranges.length > 0) {
+      this.skipGap(ranges);  // first: a late start is a gap, not a lag
       const end = ranges.end(ranges.length - 1);
       if (end - video.currentTime > MAX_LIVE_LAG_S) video.currentTime = end - 1;
-      this.skipGap(ranges);
       const start = ranges.start(0);
       if (video.currentTime - start > TRIM_AFTER_S && this.queue.length === 0) {
         this.sourceBuffer.remove(start, video.currentTime - KEEP_BEHIND_S);
