@@ -120,3 +120,11 @@ async def test_chunks_out_of_order_are_refused():
     with pytest.raises(InternalError, match="1 expected"):
         broadcast.publish(chunk_metadata(0, chunks[0]), chunks[0])
         broadcast.publish(chunk_metadata(2, chunks[1]), chunks[1])
+
+
+async def test_an_ended_broadcast_is_forgotten_after_its_linger_without_any_later_lookup():
+    registry = Broadcasts(_config(linger_s=0.05))
+    registry.open("s", fps=FPS).end(chunks=0, stopped=True)
+    assert "s" in registry._by_id
+    await asyncio.sleep(0.2)
+    assert "s" not in registry._by_id  # no get() or open() ran meanwhile
