@@ -313,6 +313,36 @@ class GatewayAuthConfig:
 
 
 @dataclass(frozen=True)
+class GatewayBroadcastConfig:
+    """How a live session is shared with viewers (`gateway.broadcast`; services/gateway/broadcast.py)."""
+
+    viewer_queue_chunks: int = 4
+    """Chunks one viewer may have waiting to be sent; a chunk arriving at a full queue makes that viewer skip
+    ahead to it (the queue is emptied first; every chunk opens with a keyframe, so its stream stays decodable)."""
+    viewer_max_skips: int = 3
+    """Skips ahead a viewer may make without once emptying its queue; one more drops it (`viewer_too_slow`)."""
+    max_viewers: int = 500
+    """Viewers one session may have at once (websocket watchers; HLS readers are not counted); one more is
+    refused with HTTP 503 `too_many_viewers`."""
+    retain_s: float = 30.0
+    """Media seconds of a session's newest chunks kept in memory for late joiners and the HLS window (at least
+    the newest chunk is always kept)."""
+    linger_s: float = 30.0
+    """Seconds an ended session's broadcast stays readable (late HLS readers then see the end of the list)."""
+
+    def __post_init__(self) -> None:
+        for name in ("viewer_queue_chunks", "max_viewers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"gateway.broadcast.{name}={getattr(self, name)}: must be >= 1")
+        if self.viewer_max_skips < 0:
+            raise ValueError(f"gateway.broadcast.viewer_max_skips={self.viewer_max_skips}: must be >= 0 "
+                             "(0 drops a viewer at its first skip)")
+        for name in ("retain_s", "linger_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"gateway.broadcast.{name}={getattr(self, name)}: must be > 0 seconds")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The realtime websocket gateway's section; its canvases are also what the DiT and the VAE prepare for."""
 
@@ -368,10 +398,15 @@ class GatewayConfig:
     backend_wait_s: float = 30.0
     """Seconds a new `session.start` waits for a stage that is down (restarting) before it gets
     `backend_unavailable` naming the stage."""
+    broadcast: GatewayBroadcastConfig = field(default_factory=GatewayBroadcastConfig)
+    """Viewers of a live session: their queues, how many, and how much of the stream is kept for them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.auth, dict):
             object.__setattr__(self, "auth", section(GatewayAuthConfig, self.auth, "gateway.auth"))
+        if isinstance(self.broadcast, dict):
+            object.__setattr__(self, "broadcast", section(GatewayBroadcastConfig, self.broadcast,
+                                                          "gateway.broadcast"))
         object.__setattr__(self, "allowed_canvases", tuple(_canvas("gateway.allowed_canvases entry", c)
                                                            for c in _pairs(self.allowed_canvases)))
         object.__setattr__(self, "default_canvas", _canvas("gateway.default_canvas", self.default_canvas))

@@ -90,6 +90,20 @@ from services.gateway.pipeline import HoldSettings
 
 FORMAT_M4S = "m4s"
 MAX_EVENT_ID_CHARS = 256
+WATCH_PATH = "/v1/realtime/video/watch/{session_id}"
+"""A session's viewers' websocket (root-relative; `video.start.watch_url`)."""
+HLS_PLAYLIST_PATH = "/v1/realtime/video/hls/{session_id}/playlist.m3u8"
+"""A session's LL-HLS playlist (root-relative; `video.start.hls_url`)."""
+
+
+def watch_path(session_id: str) -> str:
+    """The root-relative watch websocket URL of `session_id`."""
+    return WATCH_PATH.format(session_id=session_id)
+
+
+def hls_path(session_id: str) -> str:
+    """The root-relative LL-HLS playlist URL of `session_id`."""
+    return HLS_PLAYLIST_PATH.format(session_id=session_id)
 
 
 class ErrorCode(str, Enum):
@@ -507,10 +521,19 @@ class VideoStart:
     request_id: str
     config: Mapping[str, Any]
     format: str = FORMAT_M4S
+    watch_url: str | None = None
+    """Root-relative websocket URL viewers of this session connect to."""
+    hls_url: str | None = None
+    """Root-relative LL-HLS playlist URL of this session."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"type": "video.start", "request_id": self.request_id, "format": self.format,
-                "config": dict(self.config)}
+        wire: dict[str, Any] = {"type": "video.start", "request_id": self.request_id, "format": self.format,
+                                "config": dict(self.config)}
+        if self.watch_url is not None:
+            wire["watch_url"] = self.watch_url
+        if self.hls_url is not None:
+            wire["hls_url"] = self.hls_url
+        return wire
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from services.common.logging_setup import log_context
 from services.common.memory import release_free_heap
 from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PHASES_PER_REQUEST
 from services.common.config import GatewayConfig
+from services.gateway.broadcast import Broadcasts
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import (
     BackendUnavailable,
@@ -52,6 +53,8 @@ from services.gateway.protocol import (
     SessionQueued,
     SessionStart,
     VideoStart,
+    hls_path,
+    watch_path,
 )
 from services.gateway.scheduler import QueueFull, SessionScheduler
 
@@ -137,6 +140,8 @@ class SessionService:
         self.pipeline = pipeline
         self.metrics = metrics
         self.scheduler = SessionScheduler(config.num_slots, config.queue_limit)
+        self.broadcasts = Broadcasts(config.broadcast)
+        """Each session's shared stream, by request id (the watch websocket and the HLS routes read it)."""
         metrics.sessions_active.set_function(lambda: self.scheduler.num_active)
         metrics.sessions_queued.set_function(lambda: self.scheduler.num_waiting)
 
@@ -224,6 +229,8 @@ class Session:
         self.finished = False
         self._ran = False
         self.ticket = service.scheduler.enqueue(lambda _pos: self._position_changed.set())
+        self.broadcast = service.broadcasts.open(self.request_id, fps=request.fps)
+        """What this session's viewers see: every chunk sent to this client (the director), published as sent."""
 
     @property
     def stopped(self) -> bool:
@@ -271,6 +278,7 @@ class Session:
         if not self._ran:
             self.finished = True
             self._service.scheduler.release(self.ticket)
+            self.broadcast.end(chunks=0, stopped=True)
 
     async def run(self) -> Outcome:
         """Drive the session to its end; cancelling this coroutine cancels the backend session."""
@@ -282,7 +290,10 @@ class Session:
         outcome = Outcome.DISCONNECTED
         updater: asyncio.Task[None] | None = None
         try:
-            await self._sink.send(VideoStart(self.request_id, self._accepted_config()))
+            start = VideoStart(self.request_id, self._accepted_config(), watch_url=watch_path(self.request_id),
+                               hls_url=hls_path(self.request_id))
+            self.broadcast.start = start.to_wire()
+            await self._sink.send(start)
             if await self._wait_for_slot():
                 outcome = Outcome.STOPPED
                 await self._sink.send(SessionDone(self.request_id, 0, stopped=True))
@@ -329,6 +340,7 @@ class Session:
                 await self._cancel_pipe(self._pipe)
         finally:
             self._service.scheduler.release(self.ticket)
+            self.broadcast.end(chunks=self._chunks_sent, stopped=outcome is not Outcome.COMPLETED)
             self._metrics.sessions_total.labels(outcome=outcome.value).inc()
             logger.info("session %s ended: %s after %d chunks", self.request_id, outcome.value,
                         self._chunks_sent)
@@ -491,6 +503,7 @@ class Session:
             completed_event_ids=chunk.completed_event_ids, timings=chunk.timings.as_dict(),
         )
         await self._sink.send_media(metadata, chunk.data)
+        self.broadcast.publish(metadata.to_wire(), chunk.data)  # never waits on viewers
         self._chunks_sent += 1
         if chunk.kind == "media" and not chunk.phase_continues:  # a generation chunk is a whole phase
             self._media_chunks += 1
