@@ -285,11 +285,17 @@ class GatewayAuthConfig:
     """Who may use the gateway (`gateway.auth`): tokens, browser origins, per-address limits (services/gateway/access.py)."""
 
     enabled: bool = False
-    """Require a token on the realtime websocket (and on /metrics with `protect_metrics`)."""
+    """Require a token on the realtime websocket and the watch websocket (and on /metrics with
+    `protect_metrics`)."""
     tokens_file: str = ""
     """A file with one token per line (`#` starts a comment); read once at start-up."""
     tokens_env: str = ""
     """The name of an environment variable holding comma-separated tokens; read once at start-up."""
+    viewer_tokens_file: str = ""
+    """A file of viewer tokens (same format): they may watch a session (its watch websocket) but not start one.
+    The director tokens above may watch too; without viewer tokens only they can."""
+    viewer_tokens_env: str = ""
+    """The name of an environment variable holding comma-separated viewer tokens; read once at start-up."""
     protect_metrics: bool = False
     """Require a token on /metrics too (a Prometheus scrape then sends it as a bearer token)."""
     allowed_origins: tuple[str, ...] = ()

@@ -11,7 +11,7 @@ from aiohttp import web
 from services.common.config import Endpoints, GatewayConfig, load_profile
 from services.common.grpc_server import started_pool
 from services.common.logging_setup import configure_logging
-from services.gateway.access import Access, load_tokens
+from services.gateway.access import Access, load_tokens, load_viewer_tokens
 from services.gateway.grpc_pipeline import GrpcPipeline
 from services.gateway.ws import create_app
 
@@ -48,7 +48,8 @@ def main() -> None:
         config = dataclasses.replace(config, host=args.host)
     if args.port is not None:
         config = dataclasses.replace(config, port=args.port)
-    access = Access(config.auth, load_tokens(config.auth, os.environ))  # tokens read here only, never logged
+    access = Access(config.auth, load_tokens(config.auth, os.environ),  # tokens read here only, never logged
+                    viewer_tokens=load_viewer_tokens(config.auth, os.environ))
     if config.auth.enabled:
         logging.getLogger("services.gateway").info("gateway auth on: a token is needed on the websocket%s",
                                                    " and /metrics" if config.auth.protect_metrics else "")

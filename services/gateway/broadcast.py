@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from services.common.config import GatewayBroadcastConfig
-from services.common.errors import ClientError
+from services.common.errors import ClientError, InternalError
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ class TooManyViewers(ClientError):
     """The session already has `max_viewers` viewers."""
 
 
-class BadFragment(ValueError):
-    """Chunk bytes that are not a sequence of whole ISO-BMFF boxes."""
+class BadFragment(InternalError):
+    """Chunk bytes that are not a sequence of whole ISO-BMFF boxes (the backend's muxer is at fault)."""
 
 
 def split_init_segment(data: bytes) -> tuple[bytes, bytes]:
@@ -177,7 +177,7 @@ class Broadcast:
             self.init_segment = init
         index = metadata["transport_chunk_index"]
         if index != self._next_index:
-            raise ValueError(f"broadcast {self.session_id}: chunk {index} published, {self._next_index} expected")
+            raise InternalError(f"broadcast {self.session_id}: chunk {index} published, {self._next_index} expected")
         chunk = BroadcastChunk(
             index=index, kind=metadata["kind"], request_index=metadata["request_index"],
             phase_index=metadata["phase_index"], num_frames=metadata["num_frames"],
@@ -259,6 +259,8 @@ class Viewer:
         self.chunks_skipped = 0
         """Chunks it never got because it skipped ahead past them."""
         self.dropped = False
+        self.on_drop: Callable[[], None] | None = None
+        """Called (synchronously, once) when the viewer is dropped: its transport may be stuck in a send."""
         self._ready = asyncio.Event()
 
     def __enter__(self) -> Viewer:
@@ -307,6 +309,8 @@ class Viewer:
                 logger.info("session %s: a viewer fell behind %d times in a row; dropped",
                             self.broadcast.session_id, self._skips_in_row)
                 self._wake()
+                if self.on_drop is not None:
+                    self.on_drop()
                 return
         self._queue.append(chunk)
         self._wake()

@@ -31,6 +31,7 @@ from services.common.memory import release_free_heap
 from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PHASES_PER_REQUEST
 from services.common.config import GatewayConfig
 from services.gateway.broadcast import Broadcasts
+from services.gateway.errors import ErrorCode, ErrorMessage, ProtocolError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import (
     BackendUnavailable,
@@ -42,11 +43,8 @@ from services.gateway.pipeline import (
 )
 from services.gateway.protocol import (
     ChunkMetadata,
-    ErrorCode,
-    ErrorMessage,
     InteractionQueued,
     PacingSettings,
-    ProtocolError,
     ServerMessage,
     SessionDone,
     SessionInteraction,
@@ -235,8 +233,11 @@ class Session:
         self.finished = False
         self._ran = False
         self.ticket = service.scheduler.enqueue(lambda _pos: self._position_changed.set())
+        self._start = VideoStart(self.request_id, self._accepted_config(), watch_url=watch_path(self.request_id),
+                                 hls_url=hls_path(self.request_id))
         self.broadcast = service.broadcasts.open(self.request_id, fps=request.fps)
         """What this session's viewers see: every chunk sent to this client (the director), published as sent."""
+        self.broadcast.start = self._start.to_wire()
 
     @property
     def stopped(self) -> bool:
@@ -296,10 +297,7 @@ class Session:
         outcome = Outcome.DISCONNECTED
         updater: asyncio.Task[None] | None = None
         try:
-            start = VideoStart(self.request_id, self._accepted_config(), watch_url=watch_path(self.request_id),
-                               hls_url=hls_path(self.request_id))
-            self.broadcast.start = start.to_wire()
-            await self._sink.send(start)
+            await self._sink.send(self._start)
             if await self._wait_for_slot():
                 outcome = Outcome.STOPPED
                 await self._sink.send(SessionDone(self.request_id, 0, stopped=True))

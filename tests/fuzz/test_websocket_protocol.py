@@ -21,11 +21,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from services.gateway.errors import ErrorCode, ProtocolError
 from services.gateway.protocol import (
     ClientMessage,
-    ErrorCode,
     MessageLimits,
-    ProtocolError,
     SessionInteraction,
     SessionPing,
     SessionStart,

@@ -6,6 +6,7 @@ import av
 import numpy as np
 import pytest
 
+from services.common.errors import InternalError
 from services.common.config import GatewayBroadcastConfig
 from services.gateway.broadcast import (
     BadFragment,
@@ -135,6 +136,6 @@ async def test_max_viewers_and_ended_broadcasts_linger_then_go():
 async def test_chunks_out_of_order_are_refused():
     chunks = _stream(2)
     broadcast = Broadcast("s", _config(), fps=FPS)
-    with pytest.raises(ValueError, match="1 expected"):
+    with pytest.raises(InternalError, match="1 expected"):
         broadcast.publish(_metadata(0, chunks[0]), chunks[0])
         broadcast.publish(_metadata(2, chunks[1]), chunks[1])
