@@ -5,8 +5,9 @@ Under `/v1/realtime/video/hls/{session_id}/`: `playlist.m3u8` (blocking reloads 
 answer needs a viewer token when `gateway.auth` is on (Bearer, or `?token=`, which the playlist then carries into
 every URI it lists, so a browser player can fetch them); pages on the origins `gateway.auth` allows get CORS
 headers. Media answers are immutable (`public, max-age, immutable`: a CDN may keep them); playlists are short-lived.
-A wait (blocking reload, hinted part, a session without media yet) ends after three target durations with 503,
-as RFC 8216bis suggests.
+A plain playlist request waits for the session's first whole segment (a player that does not read parts finds an
+empty list otherwise; one that does starts its hold-back behind the live edge anyway). A wait (blocking reload,
+hinted part, the first segment) ends after three target durations with 503, as RFC 8216bis suggests.
 
 Knows nothing about sessions or playlist rules: it reads broadcasts (`broadcast.Broadcasts`) and renders with
 `hls`.
@@ -71,8 +72,8 @@ class HlsRoutes:
                     raise self._error(request, exc.status, exc.code, exc.message) from None
                 if playlist.satisfies(blocking):
                     break
-            elif playlist.segments or playlist.ended:  # a plain request waits only for the first part
-                break
+            elif playlist.ended or any(s.complete for s in playlist.segments):
+                break  # a plain request waits for the first whole segment: players without parts need one
             await self._wait_next(request, broadcast, deadline)
         cache = (ENDED_PLAYLIST_CACHE if playlist.ended else BLOCKING_PLAYLIST_CACHE if blocking is not None
                  else LIVE_PLAYLIST_CACHE)
