@@ -180,8 +180,9 @@ class Recordings:
             except (OSError, remux.RemuxError, isobmff.BoxError, struct.error):
                 logger.warning("recording %s is unreadable; not listed", path.name)
                 continue
-            found.append(RecordingInfo(path.name, stat.st_size, info.duration_s, info.created or stat.st_mtime))
-        return sorted(found, key=lambda r: r.created, reverse=True)
+            found.append((RecordingInfo(path.name, stat.st_size, info.duration_s, info.created or stat.st_mtime),
+                          stat.st_mtime_ns))  # MP4 times are whole seconds: the later finalized is the newer
+        return [r for r, _ in sorted(found, key=lambda f: (f[0].created, f[1]), reverse=True)]
 
     def _apply_retention(self) -> None:
         recordings = self._list()
