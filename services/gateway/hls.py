@@ -14,7 +14,10 @@ segment URIs name the media sequence number (`seg/<msn>.m4s`, its parts' bytes c
 Target durations cannot change while a playlist lives, so they come from the deployment (`HlsTiming`), not from
 the chunks seen so far; a part or segment longer than them raises them (with a warning), so what is listed always
 satisfies the spec. The window is the broadcast's: the oldest retained request is listed only when all its chunks
-still are. Part tags are kept for the segments of the last three target durations, as the spec suggests.
+still are. Part tags are kept for the segments of the last three target durations, as the spec suggests, and dropped
+once the session ended: the list is then whole segments and `EXT-X-ENDLIST`, which a player ends at its last segment
+(hls.js takes a part list as ended when the middle of its last part is buffered, which an audio-only trailer part,
+past the end of the video, never is in a muxed buffer).
 """
 from __future__ import annotations
 
@@ -173,7 +176,7 @@ class MediaPlaylist:
             with_parts.add(seg.msn)
             tail += seg.duration_s
         for seg in self.segments:
-            if seg.msn in with_parts:
+            if seg.msn in with_parts and not self.ended:
                 lines += [f'#EXT-X-PART:DURATION={p.duration_s:.3f},URI="part/{p.index}.m4s{suffix}",INDEPENDENT=YES'
                           for p in seg.parts]
             if seg.complete:

@@ -112,6 +112,7 @@ def test_the_trailer_joins_the_last_segment_and_the_ended_list_closes():
     trailer = last.parts[-1].duration_s
     assert 0 < trailer <= 3 * 1024 / RATE  # its AAC flush, read from its boxes (the broadcast counts 0 s)
     assert f"#EXTINF:{(119 / FPS + trailer):.3f}," in text and text.count("#EXTINF") == 2
+    assert "#EXT-X-PART:" not in text  # an ended list is whole segments: players end at its last one
 
 
 def test_the_window_slides_by_whole_requests_and_old_segments_drop_their_parts():
@@ -277,8 +278,10 @@ async def test_hls_needs_a_viewer_token_and_a_query_token_rides_into_the_listed_
             text = await reply.text()
         uris = re.findall(r'URI="([^"]+)"', text) + [line for line in text.splitlines() if line.startswith("seg/")]
         assert uris and all(u.endswith(f"?token={VIEWER}") for u in uris)
+        assert uris[1] == f"seg/0.m4s?token={VIEWER}"
         async with http.get(url.join(aiohttp.client.URL(uris[1]))) as reply:
-            assert reply.status == 200 and await reply.read() == split_init_segment(transcript.binaries[0])[1]
+            first_request = split_init_segment(transcript.binaries[0])[1] + b"".join(transcript.binaries[1:4])
+            assert reply.status == 200 and await reply.read() == first_request
 
 
 async def test_pages_on_allowed_origins_get_cors_headers():
