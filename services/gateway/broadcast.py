@@ -9,7 +9,8 @@ of each chunk in memory however many watch. A viewer whose queue is full when a 
 chunk (its queue is emptied: the stream it gets stays decodable); one that has to skip more than `viewer_max_skips`
 times without once emptying its queue is dropped (`ViewerTooSlow`). Publishing never waits on any viewer.
 
-`Broadcasts` maps session ids to broadcasts; an ended one stays readable for `linger_s`, then is forgotten.
+`Broadcasts` maps session ids to broadcasts; an ended one stays readable for `linger_s`, then is forgotten (its
+chunks with it).
 
 Knows nothing about websockets, HTTP, playlists or the pipeline: it holds bytes and wire dicts it was given.
 """
@@ -125,6 +126,8 @@ class Broadcast:
         self.done: BroadcastEnd | None = None
         self.ended_at: float | None = None
         self.bytes_published = 0
+        self.on_end: Callable[[], None] | None = None
+        """Called once when the broadcast ends (the registry schedules its removal)."""
         self._clock = clock
         self._chunks: deque[BroadcastChunk] = deque()
         self._retained_s = 0.0
@@ -200,6 +203,8 @@ class Broadcast:
         for viewer in tuple(self._viewers):
             viewer._wake()
         self._notify()
+        if self.on_end is not None:
+            self.on_end()
 
     # -- viewers --
     def subscribe(self) -> Viewer:
@@ -333,6 +338,7 @@ class Broadcasts:
         if session_id in self._by_id:
             raise ValueError(f"a broadcast for session {session_id} already exists")
         broadcast = Broadcast(session_id, self.config, fps=fps, clock=self._clock)
+        broadcast.on_end = self._schedule_forget
         self._by_id[session_id] = broadcast
         return broadcast
 
@@ -344,6 +350,14 @@ class Broadcasts:
     def __len__(self) -> int:
         self._forget_old()
         return len(self._by_id)
+
+    def _schedule_forget(self) -> None:
+        """Forget ended broadcasts once their linger is over, even if nobody opens or asks for one by then."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # ended outside a loop: the next open or get forgets it
+            return
+        loop.call_later(self.config.linger_s * 1.01, self._forget_old)
 
     def _forget_old(self) -> None:
         now = self._clock()

@@ -41,7 +41,8 @@ the director's session ends, however it ends. A viewer may send `session.ping` (
 other message gets `not_director` and the connection stays open. A viewer that falls behind skips ahead to the newest
 chunk, and is dropped with `viewer_too_slow` after `broadcast.viewer_max_skips` skips without catching up (or
 without an `error` after `send_timeout_s` without reading, as any client). Watching an unknown session is HTTP 404
-`unknown_session`; with `gateway.auth` on the watch websocket takes a viewer or a director token.
+`unknown_session`; one that ended less than `broadcast.linger_s` ago answers `video.start`, then `session.done`.
+With `gateway.auth` on the watch websocket takes a viewer or a director token.
 
 Error codes, their faults and which close the connection: `services/gateway/errors.py`.
 A frame above the transport limit `max_frame_bytes` closes the socket with code 1009 and no

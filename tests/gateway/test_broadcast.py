@@ -17,32 +17,13 @@ from services.gateway.broadcast import (
     split_init_segment,
 )
 from services.vae.mux import FragmentedMP4Muxer
+from tests.gateway.fakes import chunk_metadata, fmp4_chunks
 
 pytestmark = pytest.mark.cpu
 
 FPS = 24
 RATE = 32000
 W, H = 64, 48
-
-
-def _stream(num_chunks: int, frames: int = 6) -> list[bytes]:
-    """Real fMP4 chunks as the VAE sends them: the first opens with the init segment, the last is the trailer."""
-    muxer = FragmentedMP4Muxer(W, H, fps=FPS, sample_rate=RATE)
-    out = []
-    for i in range(num_chunks):
-        video = np.full((frames, H, W, 3), (i * 40) % 255, np.uint8)
-        t = (np.arange(frames * RATE // FPS) + i * frames * RATE // FPS) / RATE
-        tone = (0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-        out.append(muxer.encode(video, np.stack([tone, tone])))
-    out.append(muxer.close())
-    return out
-
-
-def _metadata(index: int, data: bytes, *, kind: str = "media", frames: int = 6) -> dict:
-    return {"type": "video.chunk_metadata", "request_id": "s", "kind": kind, "transport_chunk_index": index,
-            "request_index": index // 4, "phase_index": index % 4, "num_frames": frames if kind == "media" else 0,
-            "num_audio_samples": frames * RATE // FPS if kind == "media" else 1024, "audio_sample_rate": RATE,
-            "byte_length": len(data)}
 
 
 def _config(**overrides) -> GatewayBroadcastConfig:
@@ -61,14 +42,14 @@ def test_init_segment_is_split_from_the_first_chunk_by_its_boxes():
 
 
 async def test_late_viewer_starts_at_the_newest_media_chunk_and_decodes_from_it():
-    chunks = _stream(6)
+    chunks = fmp4_chunks(6)
     broadcast = Broadcast("s", _config(viewer_queue_chunks=8), fps=FPS)
     for i, data in enumerate(chunks[:3]):
-        broadcast.publish(_metadata(i, data), data)
+        broadcast.publish(chunk_metadata(i, data), data)
     assert broadcast.init_segment is not None and broadcast.chunk(0).data == chunks[0][len(broadcast.init_segment):]
     with broadcast.subscribe() as viewer:
         for i, data in enumerate(chunks[3:], start=3):
-            broadcast.publish(_metadata(i, data, kind="trailer" if i == len(chunks) - 1 else "media"), data)
+            broadcast.publish(chunk_metadata(i, data, kind="trailer" if i == len(chunks) - 1 else "media"), data)
         broadcast.end(chunks=len(chunks), stopped=False)
         got = []
         while (chunk := await viewer.next()) is not None:
@@ -82,17 +63,17 @@ async def test_late_viewer_starts_at_the_newest_media_chunk_and_decodes_from_it(
 
 
 async def test_a_viewer_whose_queue_is_full_skips_ahead_then_is_dropped_after_repeated_skips():
-    chunks = _stream(14)
+    chunks = fmp4_chunks(14)
     broadcast = Broadcast("s", _config(viewer_queue_chunks=2, viewer_max_skips=1), fps=FPS)
     fast, slow = broadcast.subscribe(), broadcast.subscribe()
     fast_got = []
     for i, data in enumerate(chunks[:3]):
-        broadcast.publish(_metadata(i, data), data)
+        broadcast.publish(chunk_metadata(i, data), data)
         fast_got.append((await fast.next()).index)
     assert slow.queued == 1 and slow.skips == 1 and slow.chunks_skipped == 2  # 0, 1 queued; 2 arrives: skip to 2
     assert (await slow.next()).index == 2  # it caught up: its run of skips starts again
     for i, data in enumerate(chunks[3:9], start=3):
-        broadcast.publish(_metadata(i, data), data)
+        broadcast.publish(chunk_metadata(i, data), data)
         fast_got.append((await fast.next()).index)
     assert slow.skips == 3 and slow.dropped  # 3, 4 queued; skip at 5 (queue 5), 6; skip at 7 -> 2 in a row
     with pytest.raises(ViewerTooSlow):
@@ -101,15 +82,15 @@ async def test_a_viewer_whose_queue_is_full_skips_ahead_then_is_dropped_after_re
 
 
 async def test_retained_window_keeps_at_least_retain_s_of_media_and_readers_wait_for_the_next_chunk():
-    chunks = _stream(12)
+    chunks = fmp4_chunks(12)
     broadcast = Broadcast("s", _config(retain_s=1.0), fps=FPS)  # 6 frames = 0.25 s a chunk
     waiter = asyncio.ensure_future(broadcast.wait_for(9))
     for i, data in enumerate(chunks[:9]):
-        broadcast.publish(_metadata(i, data), data)
+        broadcast.publish(chunk_metadata(i, data), data)
     await asyncio.sleep(0)
     assert not waiter.done()
     assert [c.index for c in broadcast.chunks] == [5, 6, 7, 8] and broadcast.chunk(4) is None
-    broadcast.publish(_metadata(9, chunks[9]), chunks[9])
+    broadcast.publish(chunk_metadata(9, chunks[9]), chunks[9])
     assert await asyncio.wait_for(waiter, 1) is True
     ender = asyncio.ensure_future(broadcast.wait_for(10))
     broadcast.end(chunks=10, stopped=True)
@@ -134,8 +115,16 @@ async def test_max_viewers_and_ended_broadcasts_linger_then_go():
 
 
 async def test_chunks_out_of_order_are_refused():
-    chunks = _stream(2)
+    chunks = fmp4_chunks(2)
     broadcast = Broadcast("s", _config(), fps=FPS)
     with pytest.raises(InternalError, match="1 expected"):
-        broadcast.publish(_metadata(0, chunks[0]), chunks[0])
-        broadcast.publish(_metadata(2, chunks[1]), chunks[1])
+        broadcast.publish(chunk_metadata(0, chunks[0]), chunks[0])
+        broadcast.publish(chunk_metadata(2, chunks[1]), chunks[1])
+
+
+async def test_an_ended_broadcast_is_forgotten_after_its_linger_without_any_later_lookup():
+    registry = Broadcasts(_config(linger_s=0.05))
+    registry.open("s", fps=FPS).end(chunks=0, stopped=True)
+    assert "s" in registry._by_id
+    await asyncio.sleep(0.2)
+    assert "s" not in registry._by_id  # no get() or open() ran meanwhile

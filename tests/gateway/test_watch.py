@@ -1,4 +1,5 @@
-"""The watch websocket against the fake pipeline (real fMP4): late joiners, viewer messages, auth, unknown ids."""
+"""The watch websocket against the fake pipeline (real fMP4): late joiners, viewer messages, auth, unknown ids, a
+viewer stuck in a send."""
 import asyncio
 import io
 import json
@@ -7,10 +8,26 @@ import aiohttp
 import av
 import pytest
 from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
 
-from services.common.config import GatewayAuthConfig
+from services.common.config import GatewayAuthConfig, GatewayBroadcastConfig
 from services.gateway.access import Access
-from tests.gateway.fakes import FakeBehaviour, FakePipeline, Transcript, read_until, running_gateway, small_config, ws_url
+from services.gateway.broadcast import Broadcast
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import MessageLimits
+from services.gateway.watch import WatchConnection
+from services.gateway.ws import _WebSocketSink
+from tests.gateway.fakes import (
+    FakeBehaviour,
+    FakePipeline,
+    Transcript,
+    read_until,
+    running_gateway,
+    small_config,
+    chunk_metadata,
+    fmp4_chunks,
+    ws_url,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -44,8 +61,8 @@ async def test_a_late_viewer_gets_the_init_then_the_director_bytes_from_the_newe
     assert viewer.texts[0] == {**start, "role": "viewer"}
     init_meta, metas = viewer.texts[1], viewer.of_type("video.chunk_metadata")
     assert init_meta["type"] == "video.init_segment" and init_meta["byte_length"] == len(viewer.binaries[0])
-    assert viewer.order[1:] == ["text:video.init_segment", "binary", *["text:video.chunk_metadata", "binary"] * len(metas),
-                                "text:session.done"]
+    pairs = ["text:video.chunk_metadata", "binary"] * len(metas)
+    assert viewer.order[1:] == ["text:video.init_segment", "binary", *pairs, "text:session.done"]
     first = metas[0]["transport_chunk_index"]
     assert first >= 2 and [m["transport_chunk_index"] for m in metas] == list(range(first, 11))
     director_metas = director.of_type("video.chunk_metadata")
@@ -134,3 +151,58 @@ async def test_a_session_refuses_viewers_past_max_viewers_and_counts_them_in_met
                     text = await reply.text()
                 assert "vitascope_viewers 1.0" in text
             await ws.close()
+
+
+class _StuckWebSocket:
+    """A viewer's websocket whose peer stopped reading: text goes out, a binary frame never finishes, nothing comes
+    in; aborting its transport ends the pending receive."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.gone = asyncio.Event()
+
+    async def send_str(self, text):
+        self.texts.append(text)
+
+    async def send_bytes(self, data):
+        await self.gone.wait()
+        raise ConnectionResetError("aborted")
+
+    async def receive(self):
+        await self.gone.wait()
+        return aiohttp.WSMessage(aiohttp.WSMsgType.CLOSED, None, None)
+
+    async def close(self, **_kwargs):
+        self.closed = True
+
+
+class _Transport:
+    def __init__(self, ws: _StuckWebSocket) -> None:
+        self._ws = ws
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+        self._ws.gone.set()
+
+
+async def test_a_viewer_stuck_in_a_send_is_aborted_as_soon_as_it_falls_behind_too_often():
+    chunks = fmp4_chunks(8)
+    broadcast = Broadcast("s", GatewayBroadcastConfig(viewer_queue_chunks=1, viewer_max_skips=1), fps=24,
+                          start={"type": "video.start", "request_id": "s"})
+    ws = _StuckWebSocket()
+    transport = _Transport(ws)
+    metrics = GatewayMetrics(CollectorRegistry())
+    connection = WatchConnection(ws, _WebSocketSink(ws, transport, timeout_s=60.0), broadcast.subscribe(),
+                                 MessageLimits(100, 100, 100), metrics)
+    serving = asyncio.ensure_future(connection.serve())
+    for i, data in enumerate(chunks[:4]):  # chunk 0 goes out and sticks; 1 queued; 2 skips; 3 skips again: dropped
+        broadcast.publish(chunk_metadata(i, data), data)
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(serving, 2)  # long before the 60 s send timeout
+    assert transport.aborted and broadcast.num_viewers == 0
+    assert metrics.viewers_dropped_total.labels(reason="too_slow")._value.get() == 1
+    assert metrics.viewers_dropped_total.labels(reason="send_timeout")._value.get() == 0
+    assert [json.loads(t)["type"] for t in ws.texts] == ["video.start", "video.init_segment"]
