@@ -406,6 +406,19 @@ class GatewayConfig:
     `backend_unavailable` naming the stage."""
     broadcast: GatewayBroadcastConfig = field(default_factory=GatewayBroadcastConfig)
     """Viewers of a live session: their queues, how many, and how much of the stream is kept for them."""
+    hls_part_target_s: float = 1.5
+    """LL-HLS `PART-TARGET`: at least the longest chunk (a 34-frame phase, 1.417 s at 24 fps); players hold back
+    three of it from the live edge."""
+    hls_target_duration_s: int = 5
+    """LL-HLS `EXT-X-TARGETDURATION`: at least the longest 5 s request, rounded (124 frames, 5.17 s, with the
+    trailer's frames)."""
+    recordings_dir: str | None = None
+    """Directory each session's stream is recorded into, as a progressive MP4 once the session ends (None: no
+    recordings). Listed at `/v1/recordings`, behind the gateway's tokens."""
+    recordings_max_count: int | None = None
+    """Keep at most this many recordings (the oldest go first; None: no limit)."""
+    recordings_max_age_s: float | None = None
+    """Delete recordings older than this (None: no limit)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.auth, dict):
@@ -442,6 +455,24 @@ class GatewayConfig:
         if self.max_frame_bytes < max(self.max_start_bytes, self.max_interaction_bytes):
             raise ValueError(f"gateway.max_frame_bytes={self.max_frame_bytes}: must be >= max_start_bytes "
                              f"({self.max_start_bytes}) and max_interaction_bytes ({self.max_interaction_bytes})")
+        if not (isinstance(self.hls_target_duration_s, int) and not isinstance(self.hls_target_duration_s, bool)
+                and 0 < self.hls_part_target_s <= self.hls_target_duration_s):
+            raise ValueError(f"gateway.hls_part_target_s={self.hls_part_target_s}, hls_target_duration_s="
+                             f"{self.hls_target_duration_s}: need 0 < part target <= target duration, a whole "
+                             "number of seconds")
+        if self.recordings_dir is not None and not str(self.recordings_dir).strip():
+            raise ValueError("gateway.recordings_dir is empty: name a directory, or leave it out (no recordings)")
+        if self.recordings_max_count is not None and (
+                not isinstance(self.recordings_max_count, int) or self.recordings_max_count < 1):
+            raise ValueError(f"gateway.recordings_max_count={self.recordings_max_count!r}: must be an int >= 1 "
+                             "(or absent: no limit)")
+        if self.recordings_max_age_s is not None and not self.recordings_max_age_s > 0:
+            raise ValueError(f"gateway.recordings_max_age_s={self.recordings_max_age_s!r}: must be > 0 seconds "
+                             "(or absent: no limit)")
+        if self.recordings_dir is None and (self.recordings_max_count is not None
+                                            or self.recordings_max_age_s is not None):
+            raise ValueError("gateway.recordings_max_count / recordings_max_age_s are set without "
+                             "gateway.recordings_dir: set the directory too, or drop them")
 
 
 def _pairs(value: Any) -> tuple:

@@ -54,6 +54,7 @@ from services.gateway.protocol import (
     hls_path,
     watch_path,
 )
+from services.gateway.recording import Recordings
 from services.gateway.scheduler import QueueFull, SessionScheduler
 
 logger = logging.getLogger(__name__)
@@ -133,13 +134,16 @@ class MediaPacer:
 class SessionService:
     """Admits sessions: validates starts against the deployment and hands out scheduler slots."""
 
-    def __init__(self, config: GatewayConfig, pipeline: Pipeline, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, pipeline: Pipeline, metrics: GatewayMetrics,
+                 recordings: Recordings | None = None) -> None:
         self.config = config
         self.pipeline = pipeline
         self.metrics = metrics
         self.scheduler = SessionScheduler(config.num_slots, config.queue_limit)
         self.broadcasts = Broadcasts(config.broadcast)
         """Each session's shared stream, by request id (the watch websocket and the HLS routes read it)."""
+        self.recordings = recordings
+        """Where each session's broadcast is recorded (None: not recorded)."""
         metrics.sessions_active.set_function(lambda: self.scheduler.num_active)
         metrics.sessions_queued.set_function(lambda: self.scheduler.num_waiting)
 
@@ -181,6 +185,8 @@ class SessionService:
         except QueueFull as exc:
             self.metrics.sessions_total.labels(outcome="rejected").inc()
             raise ProtocolError(ErrorCode.QUEUE_FULL, str(exc)) from None
+        if self.recordings is not None:
+            self.recordings.record(session.broadcast)
         with log_context(session_id=request_id):
             logger.info("session %s accepted (%dx%d seed %d)", request_id, request.width,
                         request.height, request.seed)

@@ -21,6 +21,10 @@ from services.common.config import GatewayConfig
 from services.gateway.access import Access, Refusal
 from services.gateway.broadcast import TooManyViewers
 from services.gateway.errors import ErrorCode, ErrorMessage, ProtocolError
+from services.gateway.hls import HlsTiming
+from services.gateway.hls_routes import HlsRoutes
+from services.gateway.recording import Recordings
+from services.gateway.recording_routes import RecordingRoutes
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.protocol import (
@@ -65,7 +69,11 @@ def create_app(config: GatewayConfig, pipeline: Pipeline, registry: CollectorReg
     """Build the gateway's aiohttp application (metrics go to `registry`, a fresh one if None; `access`: the
     token, origin and per-address checks, built from `config.auth` without tokens if None)."""
     registry = registry if registry is not None else CollectorRegistry()
-    service = SessionService(config, pipeline, GatewayMetrics(registry))
+    recordings = None
+    if config.recordings_dir is not None:
+        recordings = Recordings(config.recordings_dir, max_count=config.recordings_max_count,
+                                max_age_s=config.recordings_max_age_s)
+    service = SessionService(config, pipeline, GatewayMetrics(registry), recordings)
     app = web.Application()
     app[SERVICE_KEY] = service
     app[CONFIG_KEY] = config
@@ -88,6 +96,19 @@ def create_app(config: GatewayConfig, pipeline: Pipeline, registry: CollectorReg
     app.router.add_get(WATCH_PATH, watch_video)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
+    HlsRoutes(service.broadcasts, app[ACCESS_KEY],
+              HlsTiming(config.hls_part_target_s, config.hls_target_duration_s)).register(app.router)
+    if recordings is not None:
+        RecordingRoutes(recordings, app[ACCESS_KEY]).register(app.router)
+
+        async def start_recordings(_app: web.Application) -> None:
+            await recordings.start()
+
+        async def close_recordings(_app: web.Application) -> None:
+            await recordings.close()
+
+        app.on_startup.append(start_recordings)
+        app.on_cleanup.append(close_recordings)
     return app
 
 
