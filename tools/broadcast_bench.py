@@ -120,33 +120,60 @@ class HlsReader:
 
     received: int = 0
     parts: int = 0
+    segments: int = 0
+    """Whole segments fetched at the end: an ended playlist lists segments only, so the parts of the last
+    segment that arrived after the reader's last blocking reload come as their segment."""
     playlists: int = 0
     arrivals: dict[str, float] = field(default_factory=dict)
     how: str = ""
 
 
-def parse_playlist(text: str) -> tuple[list[str], str | None, bool, tuple[int, int]]:
-    """(part URIs, map URI, ended, (msn, part) of the next part) of a media playlist."""
-    msn, part_in_segment, parts, map_uri, ended = 0, 0, [], None, False
+@dataclass
+class Playlist:
+    """What a reader needs of one media playlist."""
+
+    parts: list[str]
+    """Part URIs, in order."""
+    map_uri: str | None
+    ended: bool
+    following: tuple[int, int]
+    """(msn, part) of the next part, for the blocking reload."""
+    part_msn: dict[str, int]
+    """The media sequence number of the segment each listed part belongs to."""
+    segments: dict[int, str]
+    """The URI of each whole segment listed, by media sequence number."""
+
+
+def parse_playlist(text: str) -> Playlist:
+    """Read a media playlist's parts, map, end, segments and the next part to ask for."""
+    msn, part_in_segment, map_uri, ended = 0, 0, None, False
+    parts: list[str] = []
+    part_msn: dict[str, int] = {}
+    segments: dict[int, str] = {}
     for line in text.splitlines():
         if line.startswith("#EXT-X-MEDIA-SEQUENCE:"):
             msn = int(line.split(":", 1)[1])
         elif line.startswith("#EXT-X-MAP:"):
             map_uri = re.search(r'URI="([^"]+)"', line).group(1)
         elif line.startswith("#EXT-X-PART:"):
-            parts.append(re.search(r'URI="([^"]+)"', line).group(1))
+            uri = re.search(r'URI="([^"]+)"', line).group(1)
+            parts.append(uri)
+            part_msn[uri] = msn
             part_in_segment += 1
         elif line.startswith("#EXT-X-ENDLIST"):
             ended = True
         elif line and not line.startswith("#"):  # a whole segment's URI: the segment is complete
+            segments[msn] = line
             msn, part_in_segment = msn + 1, 0
-    return parts, map_uri, ended, (msn, part_in_segment)
+    return Playlist(parts, map_uri, ended, (msn, part_in_segment), part_msn, segments)
 
 
 async def read_hls(http: aiohttp.ClientSession, url: str, timeout_s: float) -> HlsReader:
-    """Follow the playlist with blocking reloads to its end, fetching the init segment and every listed part."""
+    """Follow the playlist with blocking reloads to its end, fetching the init segment and every listed part, then
+    each whole segment of the ended list whose parts it did not all get."""
     out = HlsReader()
     fetched: set[str] = set()
+    part_bytes: dict[int, int] = {}  # bytes of the parts fetched, by segment
     deadline = time.monotonic() + timeout_s
     params: dict[str, str] = {}
     while time.monotonic() < deadline:
@@ -157,21 +184,33 @@ async def read_hls(http: aiohttp.ClientSession, url: str, timeout_s: float) -> H
                 continue
             text = await reply.text()
         out.playlists += 1
-        parts, map_uri, ended, (msn, part) = parse_playlist(text)
-        for uri in ([map_uri] if map_uri else []) + parts:
+        playlist = parse_playlist(text)
+        for uri in ([playlist.map_uri] if playlist.map_uri else []) + playlist.parts:
             if uri in fetched:
                 continue
             fetched.add(uri)
             async with http.get(urljoin(url, uri)) as reply:
                 body = await reply.read()
             out.received += len(body)
-            if uri != map_uri:
+            if uri != playlist.map_uri:
                 out.parts += 1
                 out.arrivals[uri] = time.monotonic()
-        if ended:
+                msn = playlist.part_msn[uri]
+                part_bytes[msn] = part_bytes.get(msn, 0) + len(body)
+        if playlist.ended:
+            for msn, uri in playlist.segments.items():
+                async with http.head(urljoin(url, uri)) as reply:
+                    whole = int(reply.headers.get("Content-Length", "0"))
+                if part_bytes.get(msn, 0) < whole:
+                    async with http.get(urljoin(url, uri)) as reply:
+                        body = await reply.read()
+                    out.received += len(body) - part_bytes.get(msn, 0)  # what the parts did not bring
+                    out.segments += 1
+                    out.arrivals[uri] = time.monotonic()
             out.how = "done"
             return out
-        params = {"_HLS_msn": str(msn), "_HLS_part": str(part)}
+        following = playlist.following
+        params = {"_HLS_msn": str(following[0]), "_HLS_part": str(following[1])}
     out.how = "timeout"
     return out
 
