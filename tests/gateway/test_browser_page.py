@@ -167,6 +167,10 @@ async def test_two_viewers_see_the_directors_frames_from_a_keyframe_with_sound(b
             await viewer.goto(share)
             await viewer.evaluate(SAMPLE_FRAMES_JS)
             viewers.append(viewer)
+        session_id = pipeline.records[0].request.request_id
+        assert await viewers[0].get_attribute("#hls-page", "href") == f"/static/watch_hls.html?session={session_id}"
+        assert (await viewers[0].get_attribute("#hls-playlist", "href")).endswith(
+            f"/v1/realtime/video/hls/{session_id}/playlist.m3u8")
         for viewer in viewers:
             await viewer.wait_for_function("document.body.dataset.state === 'watching'", timeout=10000)
             start_s = float(await viewer.get_attribute("body", "data-first-chunk")) * CHUNK_FRAMES / FPS

@@ -68,9 +68,18 @@ function onBinary(buffer) {
   player.append(bytes);
 }
 
+// The same session over LL-HLS: the hls.js page, and the playlist itself for outside players.
+function showHlsLinks(id, token) {
+  const query = token ? `&token=${encodeURIComponent(token)}` : "";
+  $("hls-page").href = `/static/watch_hls.html?session=${encodeURIComponent(id)}${query}`;
+  const playlist = `${location.origin}/v1/realtime/video/hls/${encodeURIComponent(id)}/playlist.m3u8`;
+  $("hls-playlist").href = token ? `${playlist}?token=${encodeURIComponent(token)}` : playlist;
+}
+
 function watch() {
   const id = decodeURIComponent(location.pathname.split("/").filter(Boolean).pop() || "");
   const token = new URLSearchParams(location.search).get("token");
+  showHlsLinks(id, token);
   const scheme = location.protocol === "https:" ? "wss" : "ws";
   let url = `${scheme}://${location.host}/v1/realtime/video/watch/${encodeURIComponent(id)}`;
   if (token) url += `?token=${encodeURIComponent(token)}`;
