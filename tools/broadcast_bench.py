@@ -205,8 +205,7 @@ async def read_hls(http: aiohttp.ClientSession, url: str, timeout_s: float) -> H
                     async with http.get(urljoin(url, uri)) as reply:
                         body = await reply.read()
                     out.received += len(body) - part_bytes.get(msn, 0)  # what the parts did not bring
-                    out.segments += 1
-                    out.arrivals[uri] = time.monotonic()
+                    out.segments += 1  # a catch-up after the end: no arrival of a live chunk
             out.how = "done"
             return out
         following = playlist.following
@@ -267,7 +266,7 @@ async def watch_all(port: int, watch_path: str, viewers: int, hls_path: str, hls
     out = [Watched(how, v.received, v.arrivals) for how, v in zip(ends, raw)]
     for reader in hls:  # a part's URI names its transport index (`part/<index>.m4s`)
         arrivals = {int(m.group(1)): at for uri, at in reader.arrivals.items()
-                    if (m := re.search(r"(\d+)\.m4s", uri))}
+                    if (m := re.search(r"part/(\d+)\.m4s", uri))}
         out.append(Watched(reader.how, reader.received, arrivals))
     return out
 
