@@ -5,8 +5,9 @@
 #   OUT=/path/for/results MINUTES=7 tools/train/run_vae_gpu.sh
 #
 # Writes under $OUT: results.tar (both training logs and loss logs, the figures JSON, a preview PNG of originals
-# beside decodes), weights.tar (vae/ and audio_vae/ in the service's layout) and state.tar.part-* (the resumable
-# states, split in 15 MiB parts: `cat state.tar.part-* | tar -x -C out/train_state` restores them).
+# beside decodes, the exported configs) and state.tar.part-* (the resumable states, split in 15 MiB parts:
+# `cat state.tar.part-* | tar -x -C out/train_state` restores them). The weights do not come back (the states and
+# the weights together pass what a call returns): `python -m tools.train.vae --export-only` writes them from a state.
 # Knobs: MINUTES (training time of each trainer), PY (python), DEVICE, VIDEO_ARGS / AUDIO_ARGS / EVAL_ARGS
 # (extra arguments, e.g. for a smoke run on the CPU).
 set -uo pipefail
@@ -14,7 +15,7 @@ set -uo pipefail
 MINUTES=${MINUTES:-7}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
-STATE=out/train_state
+STATE=${STATE:-out/train_state}
 EXPORT=out/trained
 mkdir -p "$OUT" "$STATE" "$EXPORT"
 export PYTHONUNBUFFERED=1
@@ -44,7 +45,6 @@ echo "eval exit $?"
 cat "$STATE/vae_metrics.json"
 
 tar -cf "$OUT/results.tar" -C "$STATE" video.log audio.log eval.log vae_metrics.json preview.png \
-    video/log.jsonl audio/log.jsonl
-tar -cf "$OUT/weights.tar" -C "$EXPORT" vae audio_vae
+    video/log.jsonl audio/log.jsonl -C "$PWD/$EXPORT" vae/config.json audio_vae/config.json
 tar -cf - -C "$STATE" video/state.pt audio/state.pt | split -b 15M - "$OUT/state.tar.part-"
 ls -la "$OUT"

@@ -9,7 +9,8 @@ as the VAE service decodes what the DiT sends. Figures (a mean over the clips un
 
 - video: PSNR over whole frames (uint8), PSNR inside the shape and 3 px around it, the shape's colour error (the
   mean RGB of the pixels the original paints solid, 0-255 units, largest channel difference), the shape's IoU
-  (a pixel is the shape's where it is nearer the shape's colour than the background's) and its centroid error (px);
+  (a pixel is the shape's where it is nearer the shape's colour than the background's) and its centroid error (px, in the middle frame; `shape_lost` counts the clips whose
+  decode has no shape pixel there);
 - audio: log-spectral distance (dB, STFT 1024 / 256), the multi-resolution STFT loss the trainer uses, the share
   of clips whose loudest frequency is the colour's pitch (within 3%), and the error of the L/R balance (dB).
 """
@@ -97,8 +98,8 @@ def video_figures(decoder: VideoDecoder, clips: int, frames: int) -> tuple[dict,
             colour_error=float(np.abs(out[solid].astype(np.float32).mean(0) - rgb).max()),
             iou=float(iou), centroid_error=float(np.linalg.norm(_centroid(shape_out[mid]) - _centroid(shape_in[mid])))))
         previews.append((clip.video[mid], out[mid]))
-    figures = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-    figures.update(psnr_min=float(min(r["psnr"] for r in rows)), iou_min=float(min(r["iou"] for r in rows)),
+    figures = {k: float(np.nanmean([r[k] for r in rows])) for k in rows[0]}  # centroid: clips that kept a shape
+    figures.update(shape_lost=sum(bool(np.isnan(r["centroid_error"])) for r in rows), psnr_min=float(min(r["psnr"] for r in rows)), iou_min=float(min(r["iou"] for r in rows)),
                    clips=clips, frames=frames)
     return figures, previews
 

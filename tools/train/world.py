@@ -9,8 +9,11 @@ clip on every machine (numpy only, `np.random.default_rng(seed)`).
 Grammar (each value is named in the caption):
 
 - shapes: circle, square, triangle (pointing up); size 26-40 px half-extent, not captioned;
-- colours, each with the pitch of its tone and the word the caption uses for it: purple 165 Hz "deep",
-  red 220 Hz "low", green 330 Hz "soft", blue 440 Hz "clear", yellow 660 Hz "high", white 880 Hz "bright";
+- colours, each with the pitch of its tone and the word the caption uses for it: purple 160 Hz "deep",
+  red 240 Hz "low", green 320 Hz "soft", blue 440 Hz "clear", yellow 640 Hz "high", white 880 Hz "bright".
+  Every pitch is a multiple of 40 Hz, the audio VAE's latent rate: a tone then starts each 800-sample latent at the
+  same phase, so a steady tone has the same latent at every step (the first GPU run, with pitches off that grid,
+  left the audio decoder emitting one latent-rate buzz for every input);
 - backgrounds: black, dark blue, dark green, grey, brown (flat colour);
 - motions, each with its rhythm: moving left / moving right (64 px/s, one lap of the 320 px canvas per 5 s,
   wrapping around the edge; a "beat" of 2 pulses a second), moving up / moving down (38.4 px/s, one lap of the
@@ -63,11 +66,11 @@ class Motion:
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = (
-    Colour("purple", (150, 70, 210), 165.0, "deep"),
-    Colour("red", (220, 40, 40), 220.0, "low"),
-    Colour("green", (50, 190, 70), 330.0, "soft"),
+    Colour("purple", (150, 70, 210), 160.0, "deep"),
+    Colour("red", (220, 40, 40), 240.0, "low"),
+    Colour("green", (50, 190, 70), 320.0, "soft"),
     Colour("blue", (60, 110, 240), 440.0, "clear"),
-    Colour("yellow", (240, 210, 50), 660.0, "high"),
+    Colour("yellow", (240, 210, 50), 640.0, "high"),
     Colour("white", (235, 235, 235), 880.0, "bright"),
 )
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {
