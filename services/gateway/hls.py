@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote
 
+from services.common.errors import ClientError
 from services.gateway import isobmff
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class ChunkWindow(Protocol):
     next_index: int
 
 
-class HlsRequestError(ValueError):
+class HlsRequestError(ClientError):
     """A playlist request the spec says to refuse: `status` (400) and a named code."""
 
     def __init__(self, code: str, message: str, status: int = 400) -> None:

@@ -12,13 +12,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from services.common.errors import InternalError
+
 CONTAINERS = frozenset({"moov", "trak", "mdia", "minf", "stbl", "edts", "dinf", "mvex", "moof", "traf", "udta"})
 """Boxes whose payload is a sequence of boxes."""
 NON_SYNC_SAMPLE = 0x00010000
 """`sample_is_non_sync_sample` in a sample's flags (8.8.3.1)."""
 
 
-class BoxError(ValueError):
+class BoxError(InternalError):
     """Bytes that are not the boxes they should be (truncated, or a size that does not fit)."""
 
 

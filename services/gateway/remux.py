@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from services.common.errors import InternalError
 from services.gateway import isobmff
 from services.gateway.isobmff import Box, BoxError, TrackRun, box, full_box
 
@@ -28,7 +29,7 @@ MP4_EPOCH_OFFSET = 2_082_844_800
 _COPY_BLOCK = 1 << 20
 
 
-class RemuxError(ValueError):
+class RemuxError(InternalError):
     """A file that holds no playable init segment and fragment."""
 
 
