@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from services.dit.model.checkpoint import write_trained_checkpoint
 from services.dit.model.layout import pack_layout
 from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
 from services.dit.stream.geometry import Canvas
@@ -267,10 +268,25 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
             return state
 
 
+def export(state: TrainState, dims: str, out: Path) -> Path:
+    """Write the EMA weights of `state` to `out/FL2VA/transformer` in the shipped (original) layout, which
+    `services.dit.model.checkpoint.load_dit` loads; returns that directory."""
+    return write_trained_checkpoint(PRESETS[dims], state.ema.shadow, out / "FL2VA" / "transformer")
+
+
+def export_saved(state_dir: Path, dims: str, out: Path) -> Path:
+    """`export` of the state saved in `state_dir`, without training (the GPU call returns states, not weights)."""
+    model = build_random(PRESETS[dims], "cpu", torch.float32, 0)
+    state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(model.parameters()))
+    if state.load(state_dir, expect=dict(dims=dims)) is None:
+        raise FileNotFoundError(f"no saved state in {state_dir}")
+    return export(state, dims, out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vae-root", required=True, type=Path, help="MiniMax-H3 root with the trained vae/, audio_vae/")
-    parser.add_argument("--encoder-root", required=True, type=Path, help="MiniMax-H3 root with text_encoder/, tokenizer/")
+    parser.add_argument("--vae-root", type=Path, help="MiniMax-H3 root with the trained vae/, audio_vae/")
+    parser.add_argument("--encoder-root", type=Path, help="MiniMax-H3 root with text_encoder/, tokenizer/")
     parser.add_argument("--state", required=True, type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dims", default="tiny", choices=sorted(PRESETS))
@@ -284,15 +300,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--distinct", type=int)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader processes that render the clips")
+    parser.add_argument("--export", type=Path, help="write the EMA weights to EXPORT/FL2VA/transformer at the end")
+    parser.add_argument("--export-only", action="store_true", help="export the saved state without training")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.export_only:
+        if args.export is None:
+            parser.error("--export-only needs --export")
+        export_saved(args.state, args.dims, args.export)
+        return
+    if args.vae_root is None or args.encoder_root is None:
+        parser.error("training needs --vae-root and --encoder-root")
     torch.set_float32_matmul_precision("high")  # TF32 on CUDA; the bf16 path would take the serving Triton kernels
     cfg = DiTRunConfig(dims=args.dims, frames=args.frames, accum=args.accum, lr=args.lr, warmup=args.warmup,
                        minutes=args.minutes, max_steps=args.max_steps, save_every=args.save_every,
                        log_every=args.log_every, distinct=args.distinct, workers=args.workers)
     conditioner = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), args.frames,
                               cache=args.distinct is not None)
-    train(cfg, conditioner, args.state)
+    state = train(cfg, conditioner, args.state)
+    if args.export is not None:
+        export(state, cfg.dims, args.export)
 
 
 if __name__ == "__main__":
