@@ -1,7 +1,7 @@
 """Train the tiny DiT base (the teacher) on whole clips of the synthetic world with the MiniMax-H3 flow objective.
 
     python -m tools.train.dit --vae-root out/trained --encoder-root checkpoints/tiny/MiniMax-H3 \
-        --state /work/train_ckpt/dit --minutes 10
+        --state /work/train_ckpt/dit --minutes 10 --workers 12 [--export out/trained]
 
 Knows nothing about serving or streaming. One example is one request-0 document as the base model sees it, under
 full attention: the caption's unnormalised layer hidden states from the tiny text encoder (`TextEncoder`, frozen),
