@@ -1,5 +1,6 @@
 """The DiT base trainer (tools/train/dit.py) on the CPU: a whole-clip document of the right shape, a few steps that
-lower the flow-matching loss on one clip, and a resumed run that continues the step count."""
+lower the flow-matching loss on one clip, a resumed run that continues the step count, and an exported state that
+loads through the service's `load_dit` with the trainer's forward."""
 
 from dataclasses import replace
 
@@ -7,6 +8,8 @@ import json
 import pytest
 import torch
 
+from services.dit.model.checkpoint import load_dit
+from services.dit.model.network import PRESETS, build_random, is_fp32_param
 from services.encoder.checkpoint import write_random_checkpoint as write_encoder
 from services.vae.checkpoint import write_random_checkpoint as write_vaes
 from tools.train import dit as trainer
@@ -45,3 +48,26 @@ def test_training_lowers_the_loss_on_one_clip_and_a_resumed_run_continues(condit
     assert [r["step"] for r in records] == [10, 20, 30]
     first, last = records[0], records[-1]
     assert last["video"] + last["audio"] < 0.8 * (first["video"] + first["audio"])
+
+
+def test_an_exported_state_loads_through_load_dit_with_the_trainers_forward(conditioner, tmp_path):
+    cfg = trainer.DiTRunConfig(frames=22, accum=1, lr=2e-3, warmup=1, max_steps=3, distinct=1)
+    state = trainer.train(cfg, conditioner, tmp_path / "state")
+    root = trainer.export_saved(tmp_path / "state", "tiny", tmp_path / "export")
+    assert root == tmp_path / "export" / "FL2VA" / "transformer"
+    assert len(list(root.glob("model-*-of-00013.safetensors"))) == 13
+    loaded = load_dit(root.parent, PRESETS["tiny"], "cpu", dtype=torch.float32)
+
+    # the trainer's model with its EMA weights, the BF16-stored ones rounded as the file stores them
+    expect = build_random(PRESETS["tiny"], "cpu", torch.float32, 0)
+    state.ema.copy_to(expect)
+    with torch.no_grad():
+        for name, p in expect.state_dict().items():
+            if not is_fp32_param(name):
+                p.copy_(p.to(torch.bfloat16).float())
+    ex = conditioner.example(trainer.TRAIN_SEED)
+    torch.manual_seed(5)
+    want = trainer.flow_matching_loss(expect, ex)
+    torch.manual_seed(5)
+    got = trainer.flow_matching_loss(loaded, ex)
+    assert got.video == pytest.approx(want.video, rel=1e-5) and got.audio == pytest.approx(want.audio, rel=1e-5)

@@ -1,7 +1,7 @@
 """Train the tiny DiT base (the teacher) on whole clips of the synthetic world with the MiniMax-H3 flow objective.
 
     python -m tools.train.dit --vae-root out/trained --encoder-root checkpoints/tiny/MiniMax-H3 \
-        --state /work/train_ckpt/dit --minutes 10
+        --state /work/train_ckpt/dit --minutes 10 --workers 12 [--export out/trained]
 
 Knows nothing about serving or streaming. One example is one request-0 document as the base model sees it, under
 full attention: the caption's unnormalised layer hidden states from the tiny text encoder (`TextEncoder`, frozen),
@@ -32,7 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
 
+from services.dit.model.checkpoint import write_trained_checkpoint
 from services.dit.model.layout import pack_layout
 from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
 from services.dit.stream.geometry import Canvas
@@ -43,7 +45,7 @@ from services.encoder.model import TextEncoder
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from tools.train import world
 from tools.train.train_state import EMA, TrainState
-from tools.train.vae import HOP, TRAIN_SEED, encode_video, to_model_space
+from tools.train.vae import HOP, TRAIN_SEED, IndexRange, encode_video, to_model_space
 
 log = logging.getLogger("tools.train.dit")
 
@@ -53,6 +55,45 @@ REQUEST_FRAMES = 124  # request 0: 37 video latents, 207 audio latents a channel
 def audio_latents(frames: int) -> int:
     """Audio latents a channel that cover `frames` video frames (124 -> 207)."""
     return math.ceil(frames * 40 / world.FPS)
+
+
+@dataclass(frozen=True)
+class Clip:
+    """One rendered clip of the world, before any model sees it (what a DataLoader worker makes)."""
+
+    seed: int
+    caption: str
+    frames: torch.Tensor
+    """[F, H, W, 3] uint8."""
+    wave: torch.Tensor
+    """[2, A * HOP] float32 stereo."""
+
+    def pin_memory(self) -> "Clip":
+        """The DataLoader's pinning hook: the same clip in page-locked memory."""
+        return Clip(self.seed, self.caption, self.frames.pin_memory(), self.wave.pin_memory())
+
+
+def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
+    """The clip of world seed `seed`: its scene from a random start frame in the first 10 s (numpy only)."""
+    rng = np.random.default_rng(seed)
+    scene = world.sample_scene(rng)
+    start = int(rng.integers(0, 10 * world.FPS))
+    video = world.render_video(scene, start, frames)
+    wave = world.render_audio(scene, start * world.SAMPLE_RATE // world.FPS, audio_latents(frames) * HOP)
+    return Clip(seed, scene.caption, torch.from_numpy(np.ascontiguousarray(video)), torch.from_numpy(wave))
+
+
+class Clips(Dataset):
+    """Sample i: the clip of seed `base + i` (`base + i % distinct` when only `distinct` clips are used)."""
+
+    def __init__(self, frames: int, base: int = TRAIN_SEED, distinct: int | None = None) -> None:
+        self.frames, self.base, self.distinct = frames, base, distinct
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, i: int) -> Clip:
+        return render_clip(self.base + (i % self.distinct if self.distinct else i), self.frames)
 
 
 @dataclass(frozen=True)
@@ -69,7 +110,10 @@ class Example:
 
 
 class Conditioner:
-    """World clips -> `Example`s: the frozen text encoder and VAE encoders (never trained here)."""
+    """Clips -> `Example`s: the frozen text encoder and VAE encoders (never trained here).
+
+    The text of each caption is encoded once (the world has 540 captions and the encoder is frozen); with `cache`
+    every example is kept by seed (tests that train on a few clips)."""
 
     def __init__(self, vae_root: Path, encoder_root: Path, device: torch.device, frames: int = REQUEST_FRAMES,
                  cache: bool = False) -> None:
@@ -79,6 +123,7 @@ class Conditioner:
         self.video_vae = load_video_vae(vae_root, device).requires_grad_(False)
         self.audio_vae = load_audio_vae(vae_root, device).requires_grad_(False)
         self.text = TextEncoder.load(encoder_root, "tiny", device, dtype=torch.float32)
+        self._texts: dict[str, torch.Tensor] = {}
         self._cache: dict[int, Example] | None = {} if cache else None
 
     def _stats(self, vae, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,27 +131,26 @@ class Conditioner:
         return (torch.tensor(vae.config.latents_mean, **kw).view(shape),
                 torch.tensor(vae.config.latents_std, **kw).view(shape))
 
-    @torch.no_grad()
     def example(self, seed: int) -> Example:
-        """The example of world seed `seed`: its scene from a random start frame in the first 10 s."""
-        if self._cache is not None and seed in self._cache:
-            return self._cache[seed]
-        rng = np.random.default_rng(seed)
-        scene = world.sample_scene(rng)
-        start = int(rng.integers(0, 10 * world.FPS))
-        frames = world.render_video(scene, start, self.frames)
-        a = audio_latents(self.frames)
-        wave = world.render_audio(scene, start * world.SAMPLE_RATE // world.FPS, a * HOP)
-        x = to_model_space(torch.from_numpy(frames)[None].to(self.device))
+        """The example of world seed `seed`."""
+        return self.encode(render_clip(seed, self.frames))
+
+    @torch.no_grad()
+    def encode(self, clip: Clip) -> Example:
+        """The example of a rendered clip."""
+        if self._cache is not None and clip.seed in self._cache:
+            return self._cache[clip.seed]
+        x = to_model_space(clip.frames[None].to(self.device, non_blocking=True))
         mu, sd = self._stats(self.video_vae, (-1, 1, 1, 1))
         video = ((encode_video(self.video_vae, x).mean[0].float() - mu) / sd).transpose(0, 1)  # [F, C, h, w]
-        mono = torch.from_numpy(wave).to(self.device)[:, None]  # [2, 1, N]
+        mono = clip.wave.to(self.device, non_blocking=True)[:, None]  # [2, 1, N]
         mu, sd = self._stats(self.audio_vae, (1, -1, 1))
         audio = ((self.audio_vae.encode(mono).latent_dist.mean.float() - mu) / sd).transpose(1, 2)  # [2, A, 32]
-        text = self.text.encode(scene.caption).float().clone()  # a normal tensor: the encoder runs in inference mode
-        out = Example(scene.caption, text, video.contiguous(), audio.contiguous())
+        if clip.caption not in self._texts:  # a normal tensor: the encoder runs in inference mode
+            self._texts[clip.caption] = self.text.encode(clip.caption).float().clone()
+        out = Example(clip.caption, self._texts[clip.caption], video.contiguous(), audio.contiguous())
         if self._cache is not None:
-            self._cache[seed] = out
+            self._cache[clip.seed] = out
         return out
 
 
@@ -149,7 +193,7 @@ def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | Non
         text_len=text_len, audio_len_per_channel=ex.audio.shape[1], video_rows=x0_video.shape[0],
         positions_text=timeline.text(0, text_len), positions_audio=timeline.audio(0, ex.audio.shape[1]),
         positions_video=video_positions(canvas, float(text_len), num_latents),
-        video_t=1.0 - sigma_v, audio_t=1.0 - sigma_a)
+        video_t=1.0 - sigma_v, audio_t=1.0 - sigma_a).to(device)
     v_video, v_audio = model((1 - sigma_v) * x0_video + sigma_v * noise_v,
                              (1 - sigma_a) * x0_audio + sigma_a * noise_a,
                              ex.text.to(device), layout, FullAttention(layout))
@@ -174,6 +218,8 @@ class DiTRunConfig:
     log_every: int = 10
     distinct: int | None = None
     """Train on only this many distinct clips, encoded once (tests: a loss that must fall)."""
+    workers: int = 0
+    """DataLoader processes that render the clips (0: in the training process)."""
     seed: int = 0
 
 
@@ -186,16 +232,18 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
     torch.manual_seed(cfg.seed)
     state.load(state_dir, expect=dict(dims=cfg.dims, frames=cfg.frames))
     state_dir.mkdir(parents=True, exist_ok=True)
+    clips = iter(DataLoader(Clips(cfg.frames, TRAIN_SEED, cfg.distinct), batch_size=None,
+                            sampler=IndexRange(state.step * cfg.accum), num_workers=cfg.workers,
+                            pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
+                            generator=torch.Generator()))  # its own: iterating must not draw from the resumed RNG
     started, seconds_before, window = time.monotonic(), state.seconds, []
     while True:
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * min(1.0, (state.step + 1) / cfg.warmup)
         optimizer.zero_grad(set_to_none=True)
         parts = []
-        for j in range(cfg.accum):
-            index = state.step * cfg.accum + j
-            ex = conditioner.example(TRAIN_SEED + (index % cfg.distinct if cfg.distinct else index))
-            loss = flow_matching_loss(model, ex)
+        for _ in range(cfg.accum):
+            loss = flow_matching_loss(model, conditioner.encode(next(clips)))
             (loss.total / cfg.accum).backward()
             parts.append((loss.video, loss.audio))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
@@ -220,10 +268,25 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
             return state
 
 
+def export(state: TrainState, dims: str, out: Path) -> Path:
+    """Write the EMA weights of `state` to `out/FL2VA/transformer` in the shipped (original) layout, which
+    `services.dit.model.checkpoint.load_dit` loads; returns that directory."""
+    return write_trained_checkpoint(PRESETS[dims], state.ema.shadow, out / "FL2VA" / "transformer")
+
+
+def export_saved(state_dir: Path, dims: str, out: Path) -> Path:
+    """`export` of the state saved in `state_dir`, without training (the GPU call returns states, not weights)."""
+    model = build_random(PRESETS[dims], "cpu", torch.float32, 0)
+    state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(model.parameters()))
+    if state.load(state_dir, expect=dict(dims=dims)) is None:
+        raise FileNotFoundError(f"no saved state in {state_dir}")
+    return export(state, dims, out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vae-root", required=True, type=Path, help="MiniMax-H3 root with the trained vae/, audio_vae/")
-    parser.add_argument("--encoder-root", required=True, type=Path, help="MiniMax-H3 root with text_encoder/, tokenizer/")
+    parser.add_argument("--vae-root", type=Path, help="MiniMax-H3 root with the trained vae/, audio_vae/")
+    parser.add_argument("--encoder-root", type=Path, help="MiniMax-H3 root with text_encoder/, tokenizer/")
     parser.add_argument("--state", required=True, type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dims", default="tiny", choices=sorted(PRESETS))
@@ -236,14 +299,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--distinct", type=int)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader processes that render the clips")
+    parser.add_argument("--export", type=Path, help="write the EMA weights to EXPORT/FL2VA/transformer at the end")
+    parser.add_argument("--export-only", action="store_true", help="export the saved state without training")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.export_only:
+        if args.export is None:
+            parser.error("--export-only needs --export")
+        export_saved(args.state, args.dims, args.export)
+        return
+    if args.vae_root is None or args.encoder_root is None:
+        parser.error("training needs --vae-root and --encoder-root")
+    torch.set_float32_matmul_precision("high")  # TF32 on CUDA; the bf16 path would take the serving Triton kernels
     cfg = DiTRunConfig(dims=args.dims, frames=args.frames, accum=args.accum, lr=args.lr, warmup=args.warmup,
                        minutes=args.minutes, max_steps=args.max_steps, save_every=args.save_every,
-                       log_every=args.log_every, distinct=args.distinct)
+                       log_every=args.log_every, distinct=args.distinct, workers=args.workers)
     conditioner = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), args.frames,
                               cache=args.distinct is not None)
-    train(cfg, conditioner, args.state)
+    state = train(cfg, conditioner, args.state)
+    if args.export is not None:
+        export(state, cfg.dims, args.export)
 
 
 if __name__ == "__main__":
