@@ -55,6 +55,21 @@ def process_sample(pid: int) -> ProcessSample:
                          threads=int(fields["Threads"]))
 
 
+def settled_sample(pid: int, timeout_s: float = 5.0, interval_s: float = 0.2) -> ProcessSample:
+    """`process_sample` once the descriptors and threads read the same twice in a row, `interval_s` apart (at most
+    `timeout_s`): the gateway closes a session's websocket, and a stage's metrics server ends a scrape's handler
+    thread, a moment after the client has returned. A descriptor or thread that stays is still counted."""
+    deadline = time.monotonic() + timeout_s
+    last = process_sample(pid)
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        sample = process_sample(pid)
+        if (sample.fds, sample.threads) == (last.fds, last.threads):
+            return sample
+        last = sample
+    return last
+
+
 def metric_total(url: str, name: str) -> float:
     """The sum of every sample of metric `name` at a Prometheus endpoint (0 when absent)."""
     with urllib.request.urlopen(url, timeout=5) as reply:
@@ -75,12 +90,13 @@ class NodeSample:
 
 
 def node_sample(sessions: int, supervisor: Supervisor, http_url: str, metrics_urls: list[str]) -> NodeSample:
-    """Sample every process, the gateway's occupancy and the leased IPC slots."""
+    """Sample every process once settled, then the gateway's occupancy and the leased IPC slots: the processes
+    first, as a stage's metrics server answers each scrape on a thread (and socket) of its own."""
+    processes = {name: settled_sample(supervisor.process(name).pid) for name in SERVICES}
     with urllib.request.urlopen(http_url + "/healthz", timeout=5) as reply:
         health = json.loads(reply.read())
     leased = sum(metric_total(url, "vitascope_ipc_leased_slots") for url in metrics_urls)
-    return NodeSample(sessions, {name: process_sample(supervisor.process(name).pid) for name in SERVICES},
-                      int(health["sessions_active"]), int(health["sessions_queued"]), leased)
+    return NodeSample(sessions, processes, int(health["sessions_active"]), int(health["sessions_queued"]), leased)
 
 
 def soak_profile(base: pathlib.Path, workdir: pathlib.Path) -> tuple[pathlib.Path, int, list[str]]:

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -24,6 +25,7 @@ import prometheus_client
 from services.common.config import Profile, load_profile
 from services.common.gpu_budget import check_fits
 from services.common.logging_setup import configure_logging
+from services.common.memory import share_one_heap
 from services.common.startup import ProgressFile, report
 
 log = logging.getLogger(__name__)
@@ -61,9 +63,15 @@ FAILED_EXIT_CODE = 3
 """A stage's exit code when it broke for good while serving (its supervisor restarts it)."""
 
 
-def started_pool(workers: int, thread_name_prefix: str) -> ThreadPoolExecutor:
-    """A thread pool whose `workers` threads all run already (a pool otherwise starts them one by one, lazily)."""
-    pool = ThreadPoolExecutor(workers, thread_name_prefix=thread_name_prefix)
+STAGE_WORKERS = min(32, (os.cpu_count() or 1) + 4)
+"""Threads of a stage's default executor: as many as asyncio's own default, all started with the process."""
+
+
+def started_pool(workers: int, thread_name_prefix: str,
+                 initializer: Callable[[], None] | None = None) -> ThreadPoolExecutor:
+    """A thread pool whose `workers` threads all run already, each having run `initializer` (a pool otherwise starts
+    them one by one, lazily: one more whenever a call finds none idle, which a call right after another's end can)."""
+    pool = ThreadPoolExecutor(workers, thread_name_prefix=thread_name_prefix, initializer=initializer)
     barrier = threading.Barrier(workers)
     for future in [pool.submit(barrier.wait) for _ in range(workers)]:  # each waits until all run: one per thread
         future.result()
@@ -84,6 +92,10 @@ class Stage(ABC):
     def close(self) -> None:
         """Release devices and files."""
 
+    def prepare_worker(self) -> None:
+        """Ready one thread of the stage's default executor, on it, before any request (e.g. start its OpenMP team),
+        so that the process's threads do not change while it serves. Nothing by default."""
+
     @property
     def failed(self) -> bool:
         """True once the stage broke for good; health then reports NOT_SERVING."""
@@ -98,7 +110,10 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
                 host: str = "127.0.0.1", ready: Callable[[], None] | None = None,
                 metrics_host: str = "127.0.0.1") -> bool:
     """Serve a stage until SIGTERM/SIGINT (True) or until it fails for good (False): liveness at once,
-    readiness after start() and warmup()."""
+    readiness after start() and warmup(). The stage's blocking calls run on `STAGE_WORKERS` threads started here,
+    each prepared by the stage (`Stage.prepare_worker`)."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(started_pool(STAGE_WORKERS, "stage-worker", stage.prepare_worker))
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -116,7 +131,6 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
     log.info("%s listening on %s:%d, loading", health_name, host, bound)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -146,7 +160,8 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     """Entry point of a stage: `python -m services.<name> --profile P [--port N] [--device D]`.
 
     `--device` overrides `<name>.device` (encoder and VAE; the DiT's devices come from the profile only). Before
-    anything loads, the profile's memory shares on the stage's GPUs must fit them (`gpu_budget.check_fits`).
+    anything loads, the profile's memory shares on the stage's GPUs must fit them (`gpu_budget.check_fits`), and
+    the process's threads are set to share one heap (`memory.share_one_heap`).
     """
     parser = argparse.ArgumentParser(description=f"vitascope {name} stage")
     parser.add_argument("--profile", required=True, help="deployment profile YAML (configs/*.yaml)")
@@ -161,6 +176,7 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
     parser.add_argument("--progress-file", help="keep the newest start-up step in this JSON file, for "
                                                 "`services.common.healthcheck --progress-file` (start-up probes)")
     args = parser.parse_args()
+    share_one_heap()  # before any thread allocates (services.common.memory)
     configure_logging(name)
     progress = ProgressFile(args.progress_file) if args.progress_file else None
     if progress is not None:

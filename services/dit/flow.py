@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 
 from services.common.errors import InvalidInput, SequenceMismatch
 from services.common.media import PHASES_PER_REQUEST
+from services.common.memory import release_free_heap
 from services.dit.api import DiTSession, PhaseAck, PhaseOutput, PromptArrival, PromptUpdate, RequestEvent, SessionConfig
 
 T = TypeVar("T")
@@ -196,9 +197,11 @@ class SessionFlow:
             raise error from exc
 
     async def end(self, session: DiTSession) -> None:
-        """Stop the request reader and cancel the session (a no-op once it has ended)."""
+        """Stop the request reader and cancel the session (a no-op once it has ended); then what its phases freed
+        goes back to the system (`release_free_heap`), so an idle stage holds none of a session's buffers."""
         if self._requests is not None:
             self._requests.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._requests
         await asyncio.shield(asyncio.to_thread(session.cancel))  # a group's cancel talks to the ranks
+        await asyncio.to_thread(release_free_heap)

@@ -153,6 +153,12 @@ class DiTService(Stage):
         """True once a rank of the group died or diverged (the service must report NOT_SERVING)."""
         return self.runtime is not None and self.runtime.failed
 
+    def prepare_worker(self) -> None:
+        """On a CPU, start this executor thread's OpenMP team now: its phases run torch on these threads, and a team
+        started while serving is a thread more (a sum this long runs as one parallel region)."""
+        if torch.device(self.profile.dit.devices[0]).type == "cpu":
+            torch.ones(1 << 20).sum()
+
     def close(self) -> None:
         """Stop the group's worker ranks."""
         if self.runtime is not None:

@@ -28,6 +28,7 @@ from services.common.errors import abort_with
 from services.common.host_identity import pids_comparable, process_alive
 from services.common.logging_setup import log_context
 from services.common.metrics import IPC_LEASED_SLOTS, STAGE_LATENCY, record_gpu_memory
+from services.common.threads import run_on
 from services.tensors.stage_transport import IpcExporter, register_transport, sender
 from services.encoder.service import EncoderService
 from vitascope.common.v1 import tensor_pb2
@@ -98,11 +99,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         span = tracing.continue_trace(request.trace.traceparent)
         with log_context(session_id=request.session_id or None, **span.log_fields()):
             try:
-                encoded = await asyncio.to_thread(self.service.encode, request.prompt)
-                leases = await asyncio.to_thread(self.exporter.session, request.consumer)
+                worker = self.service.worker  # the encoder's one thread (services.common.threads)
+                encoded = await run_on(worker, self.service.encode, request.prompt)
+                leases = await run_on(worker, self.exporter.session, request.consumer)
                 if leases is not None:
                     self.callers.take_back_exited(leases.producer)
-                export = asyncio.ensure_future(asyncio.to_thread(sender(leases, CONSUMER), encoded.embedding))
+                export = asyncio.ensure_future(run_on(worker, sender(leases, CONSUMER), encoded.embedding))
                 try:
                     parts = await asyncio.shield(export)
                 except asyncio.CancelledError:  # the caller left while the export ran on: its slot comes back

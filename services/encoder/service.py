@@ -1,7 +1,8 @@
 """Encoder stage core: load the text encoder, turn prompts into `[L, text_dim]` embeddings.
 
 Protocol-neutral (no gRPC here). Prompts are encoded one at a time: the model is one shared device
-resource and prompts are short, so a lock keeps them from fighting over the cores/GPU.
+resource and prompts are short, so a lock keeps them from fighting over the cores/GPU. The encodes, and the warm-up
+before them, run on the service's one worker thread (`services.common.threads`).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import pathlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,8 @@ class EncoderService(Stage):
         self.profile = profile
         self.model: TextEncoder | None = None
         self._lock = threading.Lock()
+        self.worker = ThreadPoolExecutor(1, "encoder")
+        """The one thread of the encodes and of what is sent of them (the servicer's calls) and of the warm-up."""
 
     def start(self) -> None:
         """Load the text encoder (random weights on the device when the profile says so)."""
@@ -50,11 +54,19 @@ class EncoderService(Stage):
         log.info("text encoder loaded: preset=%s device=%s dtype=%s", model.preset, cfg.device, cfg.dtype)
 
     def warmup(self) -> None:
-        """Capture the CUDA graphs if configured, then run one encode so kernels and allocations are ready."""
+        """Capture the CUDA graphs if configured, then run one encode so kernels and allocations are ready; on the
+        worker thread, which serves the encodes."""
+        self.worker.submit(self._warm_up).result()
+
+    def _warm_up(self) -> None:
         cfg = self.profile.encoder
         if cfg.cuda_graphs:
             self.model.capture_graphs(PromptBuckets(cfg.prompt_buckets))
         self.encode("a warm-up prompt")
+
+    def close(self) -> None:
+        """Stop the worker thread."""
+        self.worker.shutdown(wait=True)
 
     def encode(self, prompt: str) -> Encoded:
         """Encode one raw prompt; bad prompts raise InvalidInput naming the problem."""

@@ -4,7 +4,8 @@ three for the stream's first phase: `DecodeSession.phase`).
 The stream's order (phases in order, each alone on the shared decoders, the trailer last) is the core's
 (`services.vae.service.DecodeStream`); this module maps messages. When the client closes its request stream, the
 muxer is closed and its closing bytes go out as a last chunk ending in `trailer` (the AAC encoder's held-back
-audio); a phase whose phase_end never came is dropped. Cancelling the call drops everything.
+audio); a phase whose phase_end never came is dropped. Cancelling the call drops everything. However a call ends,
+its stream's encoders are freed and its heap given back before the call is done (`DecodeStream.release`).
 
 Transport: latent parts are host bytes or CUDA IPC references into the DiT's exported pool (`TensorPart.cuda`).
 A CUDA IPC part is copied out at once (onto `vae.device` when that is a GPU) by the process's one `IpcConsumer`,
@@ -93,29 +94,34 @@ class VAEServicer(vae_pb2_grpc.VAEServicer):
 
                 stream = await self.streams.open(s.width, s.height, s.fps or VIDEO_FPS,
                                                  s.sample_rate or AUDIO_SAMPLE_RATE, write)
-                log.info("decode session opened: %dx%d", s.width, s.height)
-                parts = {kind: TensorReceiver(f"{kind} latents", self.consumer, self._device)
-                         for kind in ("video", "audio")}
-                async for request in request_iterator:
-                    kind = request.WhichOneof("kind")
-                    if kind in ("video", "audio"):
-                        stream.expect(kind)
-                        latents, release = await parts[kind].receive(getattr(request, kind))
-                        if latents is not None:
-                            getattr(stream, kind)(latents)
-                            releases[kind] = release
-                    elif kind == "phase_end":
-                        phase_end = request.phase_end
-                        await stream.end_phase(phase_end.request_index, phase_end.phase_index)
-                    else:
-                        raise SequenceMismatch(f"unexpected {kind} after start")
-                if stream.partial:
-                    log.info("request stream closed inside phase %d: its partial latents are dropped", stream.chunks)
-                tail = await stream.close()
-                log.info("decode session closed after %d chunks (trailer %d bytes)", stream.chunks, len(tail.data))
-                if tail.data:
-                    for message in chunk_messages(stream.chunks, tail, trailer=True):
-                        await context.write(message)
+                try:
+                    log.info("decode session opened: %dx%d", s.width, s.height)
+                    parts = {kind: TensorReceiver(f"{kind} latents", self.consumer, self._device)
+                             for kind in ("video", "audio")}
+                    async for request in request_iterator:
+                        kind = request.WhichOneof("kind")
+                        if kind in ("video", "audio"):
+                            stream.expect(kind)
+                            latents, release = await parts[kind].receive(getattr(request, kind))
+                            if latents is not None:
+                                getattr(stream, kind)(latents)
+                                releases[kind] = release
+                        elif kind == "phase_end":
+                            phase_end = request.phase_end
+                            await stream.end_phase(phase_end.request_index, phase_end.phase_index)
+                        else:
+                            raise SequenceMismatch(f"unexpected {kind} after start")
+                    if stream.partial:
+                        log.info("request stream closed inside phase %d: its partial latents are dropped",
+                                 stream.chunks)
+                    tail = await stream.close()
+                    log.info("decode session closed after %d chunks (trailer %d bytes)", stream.chunks,
+                             len(tail.data))
+                    if tail.data:
+                        for message in chunk_messages(stream.chunks, tail, trailer=True):
+                            await context.write(message)
+                finally:  # closed, failed or cancelled: its encoders are freed, its heap given back
+                    await stream.release()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the boundary: every failure becomes a status

@@ -9,7 +9,9 @@ Why PyAV encodes but this module writes the boxes: FFmpeg's mov muxer closes a f
 keyframe (or the trailer) arrives, and PyAV does not expose the `av_write_frame(ctx, NULL)` flush, so an
 `av.open(..., format="mp4")` container returns every chunk one call late (checked with av 16.0.1). Here one
 libx264 and one AAC encoder live for the whole session (monotonic timestamps, never restarted) and the
-fragment for a chunk is written as soon as the chunk is encoded.
+fragment for a chunk is written as soon as the chunk is encoded. `close()` (or `discard()`) frees both encoders:
+libx264 holds a pool of threads and its frame buffers until its context is freed, which PyAV does only when the
+last reference to it goes, so a muxer still referenced somewhere would otherwise keep them.
 
 Timelines: video uses `fps * 1000` ticks per second, frame k starts at k / fps. Audio uses the sample rate;
 the AAC encoder's priming samples (1024 for FFmpeg's native encoder) are kept in the media timeline and
@@ -282,8 +284,11 @@ class FragmentedMP4Muxer:
         self._video = self._open_video({**DEFAULT_VIDEO_OPTIONS, **{k: str(v) for k, v in options.items()}})
         self._audio = self._open_audio()
         self._priming = AAC_FRAME_SAMPLES if self._audio.name == "aac" else 0
-        self._init = _init_segment(width, height, fps * self._video_ticks, _avcc(self._video.extradata or b""),
-                                   sample_rate, self._audio.extradata or b"", self._audio.bit_rate, self._priming)
+        avcc = _avcc(self._video.extradata or b"")
+        self._init = _init_segment(width, height, fps * self._video_ticks, avcc, sample_rate,
+                                   self._audio.extradata or b"", self._audio.bit_rate, self._priming)
+        audio_object_type = (self._audio.extradata or b"\x10")[0] >> 3
+        self._codec_string = f"avc1.{avcc[1]:02X}{avcc[2]:02X}{avcc[3]:02X}, mp4a.40.{audio_object_type}"
         self._sequence = 0
         self._frames_in = 0  # video frames encoded so far (next pts)
         self._samples_in = 0  # audio samples fed to the encoder so far (next pts)
@@ -328,14 +333,17 @@ class FragmentedMP4Muxer:
     @property
     def codec_string(self) -> str:
         """The MSE / RFC 6381 codecs parameter, e.g. 'avc1.42C01E, mp4a.40.2', derived from the init segment."""
-        avcc = _avcc(self._video.extradata or b"")
-        audio_object_type = (self._audio.extradata or b"\x10")[0] >> 3
-        return f"avc1.{avcc[1]:02X}{avcc[2]:02X}{avcc[3]:02X}, mp4a.40.{audio_object_type}"
+        return self._codec_string
 
     @property
     def mime_type(self) -> str:
         """`video/mp4; codecs="..."` for MediaSource.isTypeSupported / addSourceBuffer."""
         return f'video/mp4; codecs="{self.codec_string}"'
+
+    @property
+    def holds_encoders(self) -> bool:
+        """The session's libx264 and AAC encoders are still allocated (until `close()` or `discard()`)."""
+        return self._video is not None
 
     @property
     def frames_encoded(self) -> int:
@@ -386,17 +394,25 @@ class FragmentedMP4Muxer:
             raise SequenceMismatch("encode() after close(): the muxer's session has ended")
 
     def close(self) -> bytes:
-        """Flush both encoders; returns the last fragment (b'' if nothing is left or already closed)."""
+        """Flush both encoders and free them; returns the last fragment (b'' if nothing is left or already closed)."""
         if self._closed:
             return b""
         self._closed = True
-        if self._sequence == 0:
-            return b""  # nothing was ever sent: no init segment, no trailer
-        leftover = self._video.encode(None)
-        if leftover:
-            raise MuxError(f"libx264 flushed {len(leftover)} held-back frame(s); zero-latency settings expected")
-        audio = self._encode_audio(np.zeros((AUDIO_CHANNELS, 0), np.float32), final=True)
-        return self._emit(EncodedTrack(0, []), audio) if audio.samples else b""
+        try:
+            if self._sequence == 0:
+                return b""  # nothing was ever sent: no init segment, no trailer
+            leftover = self._video.encode(None)
+            if leftover:
+                raise MuxError(f"libx264 flushed {len(leftover)} held-back frame(s); zero-latency settings expected")
+            audio = self._encode_audio(np.zeros((AUDIO_CHANNELS, 0), np.float32), final=True)
+            return self._emit(EncodedTrack(0, []), audio) if audio.samples else b""
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """End the session without its last fragment: free both encoders now (their threads and buffers)."""
+        self._closed = True
+        self._video = self._audio = None
 
     def _emit(self, video: EncodedTrack, audio: EncodedTrack) -> bytes:
         self._sequence += 1

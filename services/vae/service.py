@@ -2,6 +2,10 @@
 
 Protocol-neutral (no gRPC). The decoder models are loaded once and shared; each session owns its own
 incremental decoders (temporal context) and its own muxer (one H.264 + AAC timeline).
+
+Threads: every stream's blocking work (opening, each chunk, closing) runs on the service's one decode thread, and a
+phase's audio on its one audio thread; both run the warm-up, so the process's threads are the same from the first
+session to the last (`services.common.threads` says why not the event loop's default executor).
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import logging
 import pathlib
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Awaitable, Callable, Iterator, Protocol
@@ -24,6 +28,7 @@ from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.memory import release_free_heap
 from services.common.startup import Steps
+from services.common.threads import run_on
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.vae.incremental import (IncrementalAudioDecoder, IncrementalVideoDecoder, audio_graph_lengths,
                                       held_audio_latents, warm_up_video)
@@ -193,9 +198,19 @@ class DecodeSession:
         return Chunk(data=data, num_frames=num_frames, num_audio_samples=num_samples, video_decode_seconds=0.0,
                      audio_decode_seconds=audio_seconds, mux_seconds=time.perf_counter() - t0 - audio_seconds)
 
+    def discard(self) -> None:
+        """End the stream without its trailer (a failed or cancelled call): drop the decoders' carried context and
+        free the muxer's encoders. Nothing after `close()`."""
+        self.video.reset()
+        self.audio.reset()
+        self.mux.discard()
+
 
 class Decoders(Protocol):
-    """What a decode stream needs of the service: one stream's decoders and muxer."""
+    """What a decode stream needs of the service: one stream's decoders and muxer, and the thread they run on."""
+
+    decode_worker: Executor
+    """The one thread that runs every stream's blocking work."""
 
     def open(self, width: int, height: int, fps: int, sample_rate: int) -> DecodeSession:
         """Start one stream's decoders and muxer."""
@@ -205,11 +220,13 @@ class DecodeStream:
     """One stream's order, protocol-neutral: per phase its video and audio latents once each, then its end, the
     phases in order, each decoded alone on the shared decoders (`phases`); `close()` gives the trailer, last.
 
-    `write(index, chunk)` sends one chunk as soon as it is muxed (a stream's first phase has three)."""
+    `write(index, chunk)` sends one chunk as soon as it is muxed (a stream's first phase has three); `run(f, *args)`
+    runs blocking work on the service's decode thread. However the stream ends, `release()` ends it for good."""
 
-    def __init__(self, session: DecodeSession, phases: asyncio.Lock, write: Callable[[int, Chunk], Awaitable[None]]):
+    def __init__(self, session: DecodeSession, phases: asyncio.Lock, write: Callable[[int, Chunk], Awaitable[None]],
+                 run: Callable[..., Awaitable]):
         self.session = session
-        self._phases, self._write = phases, write
+        self._phases, self._write, self._run = phases, write, run
         self._video: torch.Tensor | None = None
         self._audio: torch.Tensor | None = None
         self._last_phase: tuple[int, int] | None = None
@@ -247,11 +264,11 @@ class DecodeStream:
         self._last_phase = phase
         video, audio, self._video, self._audio = self._video, self._audio, None, None
         async with self._phases:
-            chunks = await asyncio.to_thread(self.session.phase, video.float(), audio.float())
+            chunks = await self._run(self.session.phase, video.float(), audio.float())
             making = None  # the chunk being made in a worker thread
             try:  # each chunk goes out as soon as it is muxed (a first phase has three)
                 while True:
-                    making = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+                    making = asyncio.ensure_future(self._run(next, chunks, None))
                     chunk = await asyncio.shield(making)
                     making = None
                     if chunk is None:
@@ -261,11 +278,21 @@ class DecodeStream:
             finally:  # a cancelled call leaves its phase: the shared decoders are freed for others
                 if making is not None:  # cancelled while a chunk was made: it ends first
                     await asyncio.wait([making])
-                await asyncio.to_thread(chunks.close)
+                await self._run(chunks.close)
 
     async def close(self) -> Chunk:
         """Close the stream (a phase without its end is dropped); returns the trailer chunk, to go out last."""
-        return await asyncio.to_thread(self.session.close)
+        return await self._run(self.session.close)
+
+    async def release(self) -> None:
+        """End the stream for good, closed or not (a failed or cancelled call): its encoders are freed and what it
+        allocated goes back to the system (`release_free_heap`). Queued behind the stream's other work on the
+        decode thread, and done even when the awaiting call is cancelled."""
+        await asyncio.shield(self._run(self._release))
+
+    def _release(self) -> None:
+        self.session.discard()
+        release_free_heap()
 
 
 class DecodeStreams:
@@ -279,13 +306,15 @@ class DecodeStreams:
         self.service = service
         self._phases = asyncio.Lock()
 
+    async def run(self, func: Callable, *args):
+        """`func(*args)` on the service's decode thread (`services.common.threads`)."""
+        return await run_on(self.service.decode_worker, func, *args)
+
     async def open(self, width: int, height: int, fps: int, sample_rate: int,
                    write: Callable[[int, Chunk], Awaitable[None]]) -> DecodeStream:
-        """Start one stream (its decoders and muxer, in a worker thread); `write` sends its chunks. What the
-        streams before it freed goes back to the system first (`release_free_heap`)."""
-        await asyncio.to_thread(release_free_heap)
-        session = await asyncio.to_thread(self.service.open, width, height, fps, sample_rate)
-        return DecodeStream(session, self._phases, write)
+        """Start one stream (its decoders and muxer, on the decode thread); `write` sends its chunks."""
+        session = await self.run(self.service.open, width, height, fps, sample_rate)
+        return DecodeStream(session, self._phases, write, self.run)
 
 
 class VAEService(Stage):
@@ -299,6 +328,8 @@ class VAEService(Stage):
         """`vae.audio_right_context` in latents (resolved against the decoder's receptive radius at start)."""
         self._lock = threading.Lock()
         self._audio_worker = ThreadPoolExecutor(1, "vae-audio")
+        self.decode_worker = ThreadPoolExecutor(1, "vae-decode")
+        """The one thread of every stream's blocking work (`DecodeStreams`) and of the warm-up."""
 
     def start(self) -> None:
         """Load both decoders from the checkpoint tree."""
@@ -325,12 +356,16 @@ class VAEService(Stage):
         log.info("VAE loaded on %s (%s), video tiles shared with %s", cfg.device, cfg.dtype, list(cfg.tile_devices))
 
     def close(self) -> None:
-        """Stop the audio worker thread."""
+        """Stop the decode and audio threads."""
+        self.decode_worker.shutdown(wait=True)
         self._audio_worker.shutdown(wait=True)
 
     def warmup(self) -> None:
         """Decode one short phase so kernels and the encoders are ready; with compiled ViT blocks, every phase
-        shape of the gateway's allowed canvases first."""
+        shape of the gateway's allowed canvases first. Runs on the decode thread, which serves the streams."""
+        self.decode_worker.submit(self._warm_up).result()
+
+    def _warm_up(self) -> None:
         if self.profile.vae.compile_blocks:
             canvases = self.profile.gateway.allowed_canvases
             compiled = Steps(log, "video decoder compiles (every phase shape of a canvas)", len(canvases))
@@ -342,6 +377,7 @@ class VAEService(Stage):
         for _ in session.phase(torch.zeros(12, self.video.vae.config.latent_channels, 4, 4),
                                torch.zeros(2, 65, self.audio.vae.config.latent_channels)):
             pass
+        session.discard()
 
     def open(self, width: int, height: int, fps: int, sample_rate: int) -> DecodeSession:
         """Start one stream's decoders and muxer."""

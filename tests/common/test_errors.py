@@ -10,6 +10,7 @@ import inspect
 import logging
 import pkgutil
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -127,13 +128,14 @@ class FaultyVAE:
 
     def __init__(self, fault: Exception) -> None:
         self.fault = fault
+        self.decode_worker = ThreadPoolExecutor(1, "vae-decode")
 
     def open(self, width, height, fps, sample_rate):
         def phase(video, audio):
             raise self.fault
             yield  # a generator, as DecodeSession.phase is
 
-        return types.SimpleNamespace(phase=phase, close=lambda: None)
+        return types.SimpleNamespace(phase=phase, close=lambda: None, discard=lambda: None)
 
 
 async def _serve(add, servicer):

@@ -96,3 +96,33 @@ def test_a_started_pool_runs_all_its_threads_before_any_call():
         assert threading.active_count() - before == 5  # calls use the started threads, none is added
     finally:
         pool.shutdown()
+
+
+class _Recording(_Idle):
+    """Notes the threads it prepared and the one it loaded on."""
+
+    def __init__(self) -> None:
+        super().__init__(fail_after_start=True)  # serve() returns once it is ready
+        self.prepared: set[str] = set()
+        self.started_on = ""
+
+    def prepare_worker(self) -> None:
+        import threading
+
+        self.prepared.add(threading.current_thread().name)
+
+    def start(self) -> None:
+        import threading
+
+        self.started_on = threading.current_thread().name
+
+
+async def test_a_stage_works_on_threads_started_and_prepared_before_it_loads():
+    # the event loop's default executor started its threads lazily, one more whenever a call found none idle: a
+    # thread added late in a soak ran torch and grew an OpenMP team (the DiT 14 -> 16 threads)
+    from services.common.grpc_server import STAGE_WORKERS
+
+    stage = _Recording()
+    assert await asyncio.wait_for(serve(stage, "test.v1.Idle", lambda server, stage: None, _free_port()), 30) is False
+    assert stage.prepared == {f"stage-worker_{i}" for i in range(STAGE_WORKERS)}
+    assert stage.started_on in stage.prepared

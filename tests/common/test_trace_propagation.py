@@ -10,6 +10,7 @@ import json
 import logging
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -37,6 +38,9 @@ worker_log = logging.getLogger("tests.fake_dit_worker")
 
 
 class FakeEncoder:
+    def __init__(self) -> None:
+        self.worker = ThreadPoolExecutor(1, "encoder")
+
     def encode(self, prompt: str) -> Encoded:
         return Encoded(embedding=torch.ones(3, 8), seconds=0.002)
 
@@ -77,10 +81,13 @@ class FakeDiT:
 
 
 class FakeVAE:
+    def __init__(self) -> None:
+        self.decode_worker = ThreadPoolExecutor(1, "vae-decode")
+
     def open(self, width, height, fps, sample_rate):
         chunk = Chunk(data=b"\0" * 100, num_frames=4, num_audio_samples=640, video_decode_seconds=0.001,
                       audio_decode_seconds=0.001, mux_seconds=0.001)
-        return types.SimpleNamespace(phase=lambda video, audio: (c for c in [chunk]))
+        return types.SimpleNamespace(phase=lambda video, audio: (c for c in [chunk]), discard=lambda: None)
 
 
 async def run_session(num_chunks: int) -> list:

@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import grpc
@@ -20,6 +21,7 @@ from services.common.config import DiTConfig
 from services.common.errors import SequenceMismatch
 from services.tensors.transport import tensor_to_parts
 from services.dit.api import HoldConfig, PhaseMeta, PhaseOutput, PhaseTimings
+from services.dit import flow
 from services.dit.flow import PhaseCredit
 from services.dit.grpc_server import DiTServicer, phase_messages
 from services.encoder.grpc_server import EncoderServicer
@@ -100,6 +102,9 @@ class FakeDiT:
 
 
 class FakeEncoder:
+    def __init__(self) -> None:
+        self.worker = ThreadPoolExecutor(1, "encoder")
+
     def encode(self, prompt: str) -> Encoded:
         return Encoded(embedding=torch.ones(3, 8), seconds=0.001)
 
@@ -129,10 +134,14 @@ class FakeDecodeSession:
         return Chunk(data=TRAILER, num_frames=5, num_audio_samples=TRAILER_AUDIO_SAMPLES, video_decode_seconds=0.0,
                      audio_decode_seconds=0.0, mux_seconds=0.0)
 
+    def discard(self) -> None:
+        pass  # no encoders to free
+
 
 class FakeVAE:
     def __init__(self) -> None:
         self.sessions: list[FakeDecodeSession] = []
+        self.decode_worker = ThreadPoolExecutor(1, "vae-decode")
         self.close_delay_s = 0.0
         self.split_first = False
 
@@ -266,6 +275,18 @@ async def test_closing_the_request_stream_ends_the_call():
         assert await call.code() == grpc.StatusCode.OK
     assert sum(r.WhichOneof("kind") == "phase_end" for r in replies) <= 2
 
+
+async def test_a_sessions_end_gives_its_freed_heap_back(monkeypatch):
+    trims = []
+    monkeypatch.setattr(flow, "release_free_heap", lambda: trims.append("trimmed"))
+    async with Stages(2) as stages, grpc.aio.insecure_channel(stages.addr) as channel:
+        call = await _open_raw(channel)
+        assert trims == []
+        await call.done_writing()
+        while await asyncio.wait_for(call.read(), 5) is not grpc.aio.EOF:
+            pass
+        assert await call.code() == grpc.StatusCode.OK
+    assert trims == ["trimmed"] and stages.dit.sessions[0].cancel_token.cancelled  # once, as the session ended
 
 
 async def test_the_dit_generates_no_phase_past_the_session_budget():

@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import grpc
@@ -168,6 +169,9 @@ class FakeDiT:
 class FakeEncoder:
     """The embedding's values are the prompt's length, so the DiT's copy shows which prompt it got."""
 
+    def __init__(self) -> None:
+        self.worker = ThreadPoolExecutor(1, "encoder")
+
     def encode(self, prompt: str) -> Encoded:
         return Encoded(embedding=torch.full((3, 8), float(len(prompt))), seconds=0.001)
 
@@ -177,6 +181,7 @@ class FakeVAE:
 
     def __init__(self) -> None:
         self.phases: list[tuple[float, float]] = []
+        self.decode_worker = ThreadPoolExecutor(1, "vae-decode")
 
     def open(self, width, height, fps, sample_rate):
         def phase(video, audio) -> Iterator[Chunk]:
@@ -188,7 +193,7 @@ class FakeVAE:
             return Chunk(data=b"", num_frames=0, num_audio_samples=0, video_decode_seconds=0.0,
                          audio_decode_seconds=0.0, mux_seconds=0.0)
 
-        return types.SimpleNamespace(phase=phase, close=close)
+        return types.SimpleNamespace(phase=phase, close=close, discard=lambda: None)
 
 
 class Stages:

@@ -166,16 +166,21 @@ def test_a_phase_left_after_its_first_chunk_frees_the_shared_decoders(decoders, 
 
 
 class SharedDecoders:
-    """VAEService.open's sharing: one pair of decoders, one lock, one audio worker."""
+    """VAEService.open's sharing: one pair of decoders, one lock, one audio worker, one decode thread; keeps the
+    sessions it opened."""
 
     def __init__(self, decoders, worker):
         self.video, self.audio = decoders
         self.worker = worker
+        self.decode_worker = ThreadPoolExecutor(1, "vae-decode")
         self.lock = threading.Lock()
+        self.sessions: list[DecodeSession] = []
 
     def open(self, width, height, fps, sample_rate):
-        return DecodeSession(self.video, self.audio, width, height, fps, sample_rate, "ultrafast", self.lock,
-                             self.worker)
+        session = DecodeSession(self.video, self.audio, width, height, fps, sample_rate, "ultrafast", self.lock,
+                                self.worker)
+        self.sessions.append(session)
+        return session
 
 
 @contextlib.asynccontextmanager
@@ -204,8 +209,7 @@ def decode_requests(session_id, phases, labels):
 async def test_more_concurrent_decode_calls_than_worker_threads_all_finish(decoders, worker):
     # a session's chunks hold the shared lock from its first chunk to its last: sessions waiting for it in worker
     # threads once filled the event loop's pool, and the holder could not make its next chunk (every call hung)
-    service = SharedDecoders(decoders, worker)
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(3))  # fewer threads than calls
+    service = SharedDecoders(decoders, worker)  # one decode thread for six calls
     async with vae_stub(service) as stub:
         async def call(seed: int) -> int:
             responses = [r async for r in stub.Decode(decode_requests(f"s{seed}", latents(seed)[:1], [(0, 0)]))]
@@ -213,6 +217,31 @@ async def test_more_concurrent_decode_calls_than_worker_threads_all_finish(decod
 
         counts = await asyncio.wait_for(asyncio.gather(*(call(i) for i in range(6))), 120)
     assert counts == [3] * 6 and not service.lock.locked()  # the first phase of each: three chunks
+    assert not any(session.mux.holds_encoders for session in service.sessions)
+
+
+async def test_every_stream_runs_on_the_services_decode_thread(decoders, worker, monkeypatch):
+    # on the event loop's default executor the work ran on whichever of its lazily started threads was free: a
+    # thread added late in a soak ran torch and grew an OpenMP team and a heap of its own
+    threads = set()
+
+    def recorded(method):
+        def call(self, *args):
+            threads.add(threading.current_thread().name)
+            return method(self, *args)
+        return call
+
+    monkeypatch.setattr(SharedDecoders, "open", recorded(SharedDecoders.open))
+    for name in ("encode_video", "close", "discard"):
+        monkeypatch.setattr(FragmentedMP4Muxer, name, recorded(getattr(FragmentedMP4Muxer, name)))
+    service = SharedDecoders(decoders, worker)
+    async with vae_stub(service) as stub:
+        async def call(seed: int) -> None:
+            async for _ in stub.Decode(decode_requests(f"s{seed}", latents(seed)[:2], [(0, 0), (0, 1)])):
+                pass
+
+        await asyncio.wait_for(asyncio.gather(*(call(i) for i in range(3))), 120)
+    assert threads == {"vae-decode_0"}
 
 
 async def test_a_phase_out_of_order_fails_the_call_by_name(decoders, worker):
@@ -225,3 +254,18 @@ async def test_a_phase_out_of_order_fails_the_call_by_name(decoders, worker):
     assert "phase_end of (request, phase) (0, 3) after (1, 0)" in info.value.details()
     assert sorted(set(chunks)) == [0, 1, 2]  # the first phase's three chunks went out; nothing of the second
     assert not service.lock.locked()
+    assert not service.sessions[0].mux.holds_encoders  # the failed call's encoders were freed with it
+
+
+async def test_a_cancelled_call_frees_its_streams_encoders(decoders, worker):
+    service = SharedDecoders(decoders, worker)
+    async with vae_stub(service) as stub:
+        call = stub.Decode(decode_requests("s", latents(8)[:2], [(0, 0), (0, 1)]))
+        await call.read()  # the first chunk is out: the stream's encoders are running
+        assert service.sessions[0].mux.holds_encoders
+        call.cancel()
+        for _ in range(100):
+            if not service.sessions[0].mux.holds_encoders:
+                break
+            await asyncio.sleep(0.05)
+    assert not service.sessions[0].mux.holds_encoders and not service.lock.locked()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
 
 import av
@@ -285,6 +286,25 @@ def test_encode_after_close_and_double_close():
     muxer = FragmentedMP4Muxer(W, H)
     muxer.encode(np.zeros((1, H, W, 3), np.uint8), np.zeros((2, 2048), np.float32))
     assert muxer.close()
+    assert muxer.close() == b""
+    with pytest.raises(SequenceMismatch, match="after close"):
+        muxer.encode(np.zeros((1, H, W, 3), np.uint8), np.zeros((2, 10), np.float32))
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("end", ["close", "discard"])
+def test_ending_a_session_frees_its_encoders_and_their_threads(end):
+    # libx264 keeps its thread pool and frame buffers until its context is freed, which PyAV does only when the
+    # last reference goes: a muxer still referenced (a lingering session object) kept them
+    before = _threads()
+    muxer = FragmentedMP4Muxer(W, H)
+    muxer.encode(np.zeros((3, H, W, 3), np.uint8), np.zeros((2, 4096), np.float32))
+    assert muxer.holds_encoders and _threads() > before  # libx264's threads run while the session lasts
+    getattr(muxer, end)()
+    assert not muxer.holds_encoders and _threads() == before
     assert muxer.close() == b""
     with pytest.raises(SequenceMismatch, match="after close"):
         muxer.encode(np.zeros((1, H, W, 3), np.uint8), np.zeros((2, 10), np.float32))
