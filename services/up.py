@@ -83,14 +83,14 @@ def is_ready(name: str, profile: Profile) -> bool:
     """True when the service is ready to serve (a stage's named gRPC health, the gateway's /healthz 200)."""
     if name == "gateway":
         return _gateway_status(profile) == 200
-    return check(getattr(profile.endpoints, name), HEALTH_NAMES[name], timeout=PROBE_TIMEOUT_SECONDS)
+    return check(getattr(profile.endpoints, name), HEALTH_NAMES[name], timeout=PROBE_TIMEOUT_SECONDS) == "SERVING"
 
 
 def is_alive(name: str, profile: Profile) -> bool:
     """True while the service answers at all (a stage's liveness service "", any /healthz reply of the gateway)."""
     if name == "gateway":
         return _gateway_status(profile) is not None
-    return check(getattr(profile.endpoints, name), "", timeout=PROBE_TIMEOUT_SECONDS)
+    return check(getattr(profile.endpoints, name), "", timeout=PROBE_TIMEOUT_SECONDS) == "SERVING"
 
 
 def make_supervisor(profile: Profile, profile_path: str | os.PathLike, policy: RestartPolicy,

@@ -285,11 +285,17 @@ class GatewayAuthConfig:
     """Who may use the gateway (`gateway.auth`): tokens, browser origins, per-address limits (services/gateway/access.py)."""
 
     enabled: bool = False
-    """Require a token on the realtime websocket (and on /metrics with `protect_metrics`)."""
+    """Require a token on the realtime websocket and the watch websocket (and on /metrics with
+    `protect_metrics`)."""
     tokens_file: str = ""
     """A file with one token per line (`#` starts a comment); read once at start-up."""
     tokens_env: str = ""
     """The name of an environment variable holding comma-separated tokens; read once at start-up."""
+    viewer_tokens_file: str = ""
+    """A file of viewer tokens (same format): they may watch a session (its watch websocket) but not start one.
+    The director tokens above may watch too; without viewer tokens only they can."""
+    viewer_tokens_env: str = ""
+    """The name of an environment variable holding comma-separated viewer tokens; read once at start-up."""
     protect_metrics: bool = False
     """Require a token on /metrics too (a Prometheus scrape then sends it as a bearer token)."""
     allowed_origins: tuple[str, ...] = ()
@@ -310,6 +316,36 @@ class GatewayAuthConfig:
             parts = urlsplit(origin)
             if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
                 raise ValueError(f"gateway.auth.allowed_origins entry {origin!r}: write scheme://host[:port]")
+
+
+@dataclass(frozen=True)
+class GatewayBroadcastConfig:
+    """How a live session is shared with viewers (`gateway.broadcast`; services/gateway/broadcast.py)."""
+
+    viewer_queue_chunks: int = 4
+    """Chunks one viewer may have waiting to be sent; a chunk arriving at a full queue makes that viewer skip
+    ahead to it (the queue is emptied first; every chunk opens with a keyframe, so its stream stays decodable)."""
+    viewer_max_skips: int = 3
+    """Skips ahead a viewer may make without once emptying its queue; one more drops it (`viewer_too_slow`)."""
+    max_viewers: int = 500
+    """Viewers one session may have at once (websocket watchers; HLS readers are not counted); one more is
+    refused with HTTP 503 `too_many_viewers`."""
+    retain_s: float = 30.0
+    """Media seconds of a session's newest chunks kept in memory for late joiners and the HLS window (at least
+    the newest chunk is always kept)."""
+    linger_s: float = 30.0
+    """Seconds an ended session's broadcast stays readable (late HLS readers then see the end of the list)."""
+
+    def __post_init__(self) -> None:
+        for name in ("viewer_queue_chunks", "max_viewers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"gateway.broadcast.{name}={getattr(self, name)}: must be >= 1")
+        if self.viewer_max_skips < 0:
+            raise ValueError(f"gateway.broadcast.viewer_max_skips={self.viewer_max_skips}: must be >= 0 "
+                             "(0 drops a viewer at its first skip)")
+        for name in ("retain_s", "linger_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"gateway.broadcast.{name}={getattr(self, name)}: must be > 0 seconds")
 
 
 @dataclass(frozen=True)
@@ -368,10 +404,28 @@ class GatewayConfig:
     backend_wait_s: float = 30.0
     """Seconds a new `session.start` waits for a stage that is down (restarting) before it gets
     `backend_unavailable` naming the stage."""
+    broadcast: GatewayBroadcastConfig = field(default_factory=GatewayBroadcastConfig)
+    """Viewers of a live session: their queues, how many, and how much of the stream is kept for them."""
+    hls_part_target_s: float = 1.5
+    """LL-HLS `PART-TARGET`: at least the longest chunk (a 34-frame phase, 1.417 s at 24 fps); players hold back
+    three of it from the live edge."""
+    hls_target_duration_s: int = 5
+    """LL-HLS `EXT-X-TARGETDURATION`: at least the longest 5 s request, rounded (124 frames, 5.17 s, with the
+    trailer's frames)."""
+    recordings_dir: str | None = None
+    """Directory each session's stream is recorded into, as a progressive MP4 once the session ends (None: no
+    recordings). Listed at `/v1/recordings`, behind the gateway's tokens."""
+    recordings_max_count: int | None = None
+    """Keep at most this many recordings (the oldest go first; None: no limit)."""
+    recordings_max_age_s: float | None = None
+    """Delete recordings older than this (None: no limit)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.auth, dict):
             object.__setattr__(self, "auth", section(GatewayAuthConfig, self.auth, "gateway.auth"))
+        if isinstance(self.broadcast, dict):
+            object.__setattr__(self, "broadcast", section(GatewayBroadcastConfig, self.broadcast,
+                                                          "gateway.broadcast"))
         object.__setattr__(self, "allowed_canvases", tuple(_canvas("gateway.allowed_canvases entry", c)
                                                            for c in _pairs(self.allowed_canvases)))
         object.__setattr__(self, "default_canvas", _canvas("gateway.default_canvas", self.default_canvas))
@@ -401,6 +455,24 @@ class GatewayConfig:
         if self.max_frame_bytes < max(self.max_start_bytes, self.max_interaction_bytes):
             raise ValueError(f"gateway.max_frame_bytes={self.max_frame_bytes}: must be >= max_start_bytes "
                              f"({self.max_start_bytes}) and max_interaction_bytes ({self.max_interaction_bytes})")
+        if not (isinstance(self.hls_target_duration_s, int) and not isinstance(self.hls_target_duration_s, bool)
+                and 0 < self.hls_part_target_s <= self.hls_target_duration_s):
+            raise ValueError(f"gateway.hls_part_target_s={self.hls_part_target_s}, hls_target_duration_s="
+                             f"{self.hls_target_duration_s}: need 0 < part target <= target duration, a whole "
+                             "number of seconds")
+        if self.recordings_dir is not None and not str(self.recordings_dir).strip():
+            raise ValueError("gateway.recordings_dir is empty: name a directory, or leave it out (no recordings)")
+        if self.recordings_max_count is not None and (
+                not isinstance(self.recordings_max_count, int) or self.recordings_max_count < 1):
+            raise ValueError(f"gateway.recordings_max_count={self.recordings_max_count!r}: must be an int >= 1 "
+                             "(or absent: no limit)")
+        if self.recordings_max_age_s is not None and not self.recordings_max_age_s > 0:
+            raise ValueError(f"gateway.recordings_max_age_s={self.recordings_max_age_s!r}: must be > 0 seconds "
+                             "(or absent: no limit)")
+        if self.recordings_dir is None and (self.recordings_max_count is not None
+                                            or self.recordings_max_age_s is not None):
+            raise ValueError("gateway.recordings_max_count / recordings_max_age_s are set without "
+                             "gateway.recordings_dir: set the directory too, or drop them")
 
 
 def _pairs(value: Any) -> tuple:

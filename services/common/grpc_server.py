@@ -26,6 +26,7 @@ from services.common.config import Profile, load_profile
 from services.common.gpu_budget import check_fits
 from services.common.logging_setup import configure_logging
 from services.common.memory import share_one_heap
+from services.common.startup import ProgressFile, report
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ async def serve(stage: Stage, health_name: str, register: Register, port: int, m
         loop.add_signal_handler(sig, stop.set)
     try:
         await asyncio.to_thread(stage.start)
+        report(log, "warm-up")
         await asyncio.to_thread(stage.warmup)
         await health_servicer.set(health_name, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving", health_name)
@@ -171,15 +173,21 @@ def run_stage(name: str, make_stage: Callable[[Profile], Stage], register: Regis
                         help="address the Prometheus endpoint binds (default loopback; a pod's scrape needs 0.0.0.0)")
     if name != "dit":
         parser.add_argument("--device", help=f"override {name}.device")
+    parser.add_argument("--progress-file", help="keep the newest start-up step in this JSON file, for "
+                                                "`services.common.healthcheck --progress-file` (start-up probes)")
     args = parser.parse_args()
     share_one_heap()  # before any thread allocates (services.common.memory)
     configure_logging(name)
+    progress = ProgressFile(args.progress_file) if args.progress_file else None
+    if progress is not None:
+        logging.getLogger().addHandler(progress)
     device = getattr(args, "device", None)
     profile = load_profile(args.profile, {name: {"device": device}} if device else None)
     check_fits(profile, name)
     port = args.port or profile.endpoints.port_of(name)
     host = args.host or profile.endpoints.host_of(name)  # where the profile says it is, unless told otherwise
     stopped = asyncio.run(serve(make_stage(profile), HEALTH_NAMES[name], register, port,
-                                getattr(profile, name).metrics_port, host=host, metrics_host=args.metrics_host))
+                                getattr(profile, name).metrics_port, host=host, metrics_host=args.metrics_host,
+                                ready=progress.ready if progress is not None else None))
     if not stopped:  # broken for good (a DiT group lost a rank): exit, so the supervisor starts it afresh
         sys.exit(FAILED_EXIT_CODE)

@@ -26,6 +26,8 @@ _CONTEXT: contextvars.ContextVar[Mapping[str, object]] = contextvars.ContextVar(
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is emitted as a field.
 _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 _CORE_FIELDS = ("ts", "level", "logger", "msg", "service")
+_HUMAN_OMITS = frozenset({"startup"})
+"""Extra fields a readable line leaves out: its message already says them (`startup.report`)."""
 
 
 def current_context() -> dict[str, object]:
@@ -93,7 +95,8 @@ class HumanFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         context = {**_CONTEXT.get(), **{k: v for k, v in vars(record).items()
-                                         if k not in _STANDARD_ATTRS and k not in _CORE_FIELDS}}
+                                         if k not in _STANDARD_ATTRS and k not in _CORE_FIELDS
+                                         and k not in _HUMAN_OMITS}}
         return line + ("  [" + " ".join(f"{k}={v}" for k, v in context.items()) + "]" if context else "")
 
 

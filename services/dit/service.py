@@ -14,6 +14,7 @@ import torch
 from services.common.config import Profile
 from services.tensors.cuda_graphs import PromptBuckets
 from services.common.errors import NotReady
+from services.common.startup import Steps, report
 from services.common.grpc_server import Stage
 from services.dit.api import DiTBackend, DiTSession, HoldConfig, PromptUpdate, RuntimeConfig, SessionConfig
 from services.dit.model.attention_kernels import prefer_attention_kernels
@@ -60,17 +61,18 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     else:
         model = load_dit(root / "MiniMax-H3" / "FL2VA" / "transformer", args, device, dtype)
         adapter = LoRAAdapter.load(model, root / "TaoMate-H3", dtype=dtype)
+    report(log, "TaoMate LoRA", detail="merged into the base" if cfg.merge_lora else "attached")
     if cfg.merge_lora:
         adapter.merge_into_base()
         if cfg.fp8:
             log.warning("dit.merge_lora with dit.fp8: the LoRA is quantised with the base weights, which blurred the "
                         "video about 4.7x in the published serving stack; check the output on your checkpoint")
     if cfg.fp8:
-        report = quantize_linears(model)  # after LoRA (and its merge): the side branch stays BF16
-        log.info("FP8: %d block linears quantised, %d kept in BF16, %.1f -> %.1f GiB", len(report.quantized),
-                 len(report.kept), report.bytes_before / 2**30, report.bytes_after / 2**30)
+        fp8 = quantize_linears(model)  # after LoRA (and its merge): the side branch stays BF16
+        report(log, "FP8", detail=f"{len(fp8.quantized)} block linears quantised, {len(fp8.kept)} kept in BF16, "
+                                  f"{fp8.bytes_before / 2**30:.1f} -> {fp8.bytes_after / 2**30:.1f} GiB")
     if cfg.adaln_cache:
-        log.info("AdaLN cache: %s", model.cache_adaln(runtime_timesteps()))
+        report(log, "AdaLN cache", detail=str(model.cache_adaln(runtime_timesteps())))
     if device.type == "cuda":
         compile_block_regions(model, adapter)
     block_graphs = cfg.cuda_graphs and cfg.reuse_text_kv and device.type == "cuda"
@@ -82,14 +84,14 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     if cfg.cuda_graphs and cfg.usp_degree == 1:  # a Ulysses group captures them once it has formed (launch)
         runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets))
     if block_graphs:  # no collective inside: captured right away
-        started = time.perf_counter()
         graphs = BlockGraphs(model, adapter, device, cfg.usp_degree)
-        for rows, slots in block_graph_shapes(profile_canvases(profile), cfg.usp_degree, cfg.prompt_buckets):
+        shapes = block_graph_shapes(profile_canvases(profile), cfg.usp_degree, cfg.prompt_buckets)
+        captured = Steps(log, "block CUDA graphs of the student and commit forwards", len(shapes))
+        for rows, slots in shapes:
             graphs.capture(rows, slots)
+            captured.tick(f"{rows} rows on this rank, {slots} timestep slots")
         graphs.seal()
         model.block_graphs = graphs
-        log.info("block graphs of every student and commit forward (the text padded to its bucket) captured in "
-                 "%.1f s: (rows on this rank, timestep slots) %s", time.perf_counter() - started, graphs.shapes)
     return runtime
 
 
@@ -107,23 +109,24 @@ def compile_block_regions(model: DiT, adapter: LoRAAdapter) -> None:
     the first teacher) or several (the compiler specialises a size of 1). With the LoRA merged, the side branch
     runs in the teacher's variant instead of the students'.
     """
-    started = time.perf_counter()
     dev = model.condition_proj.weight.device
     tt, audio, video = 13, 7, 24  # no two row counts equal
     inputs = (torch.zeros(video, model.args.video_row_dim, device=dev),
               torch.zeros(2 * audio, model.args.audio_channels, device=dev),
               torch.zeros(tt, model.args.text_dim, device=dev, dtype=model.dtype))
+    compiled = Steps(log, "block-region compiles (LoRA on and off, one and several timesteps)", 4)
     for video_t, audio_t in ((0.0, 0.0), (model_t(VIDEO_SIGMAS[1]), model_t(AUDIO_SIGMAS[1]))):
         layout = pack_layout(text_len=tt, audio_len_per_channel=audio, video_rows=video,
                              positions_text=torch.zeros(tt, 3), positions_audio=torch.zeros(2 * audio, 3),
                              positions_video=torch.zeros(video, 3), video_t=video_t, audio_t=audio_t).to(dev)
         with torch.no_grad():
             model(*inputs, layout, FullAttention(layout))
+            compiled.tick("LoRA on")
             with adapter.suspended():
                 model(*inputs, layout, FullAttention(layout))
+            compiled.tick("LoRA off")
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    log.info("block regions compiled in %.1f s", time.perf_counter() - started)
 
 
 class DiTService(Stage):

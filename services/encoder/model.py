@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
 )
 
 from services.common.errors import InternalError, InvalidInput
+from services.common.startup import Steps
 from services.tensors.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 
 logger = logging.getLogger(__name__)
@@ -238,6 +238,7 @@ def load_stack_weights(stack: TextStack, text_dir: Path, device: torch.device | 
         raise EncoderCheckpointError(f"text-encoder checkpoint {text_dir} does not match the preset: "
                                      + "; ".join(problems))
     loaded: dict[str, torch.Tensor] = {}
+    shards = Steps(logger, "text-encoder shards", len(by_shard))
     for shard, names in sorted(by_shard.items()):
         with _open_shard(text_dir / shard) as f:
             for name in names:
@@ -245,7 +246,7 @@ def load_stack_weights(stack: TextStack, text_dir: Path, device: torch.device | 
                     loaded[name] = f.get_tensor(checkpoint_key(name)).to(device=device, dtype=dtype)
                 except SafetensorError as exc:
                     raise EncoderCheckpointError(f"cannot read {checkpoint_key(name)} from {shard}: {exc}") from exc
-        logger.info("text encoder: loaded %d tensors from %s", len(names), shard)
+        shards.tick(f"{shard}: {len(names)} tensors")
     stack.load_state_dict(loaded, strict=True, assign=True)
     stack.reset_rotary(device)
 
@@ -321,15 +322,14 @@ class TextEncoder:
         """
         if buckets.sizes[-1] < self.max_tokens:
             raise ValueError(f"prompt buckets {list(buckets.sizes)} do not hold max_tokens={self.max_tokens}")
-        started = time.perf_counter()
         bank = CudaGraphBank(self.device)
+        captured = Steps(logger, "text-encoder CUDA graphs", len(buckets.sizes))
         for size in buckets.sizes:
             ids = torch.zeros(size, dtype=torch.long, device=self.device)
             bank.capture(GraphKey.for_inputs("text_encoder", [ids]), self.stack, [ids])
+            captured.tick(f"{size} tokens")
         bank.seal()
         self.graphs, self.buckets = bank, buckets
-        logger.info("text encoder: %d graphs captured in %.1f s (buckets %s)", len(bank),
-                    time.perf_counter() - started, list(buckets.sizes))
 
     def tokenize(self, prompt: str) -> list[int]:
         """Return the token ids of the stripped raw prompt (no chat template, no special tokens added).

@@ -1,8 +1,10 @@
 """Who may use the gateway: bearer tokens, the websocket Origin allow-list, and per-address limits.
 
 - Tokens: with `gateway.auth` on, the realtime websocket (and `/metrics` if asked) needs one of the configured
-  tokens, as `Authorization: Bearer <token>` or, for browsers that cannot set headers on a websocket, `?token=`.
-  Tokens are compared in constant time against every configured token and never logged.
+  director tokens, as `Authorization: Bearer <token>` or, for browsers that cannot set headers on a websocket,
+  `?token=`. A session's watch websocket takes a viewer token or a director token; a viewer token on the realtime
+  websocket is refused (403 `not_director`). Tokens are compared in constant time against every configured token
+  and never logged.
 - Origin: a browser's websocket handshake carries `Origin`; it must be the page's own origin, a loopback origin or
   one of `allowed_origins`, so another site cannot drive a session from a visitor's browser. Clients that send no
   Origin (CLIs, players, gRPC bridges) are not browsers and pass.
@@ -26,21 +28,32 @@ LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
 def load_tokens(config: GatewayAuthConfig, environ: Mapping[str, str]) -> tuple[str, ...]:
-    """The configured tokens (from `main()`: the file and the environment are read there only)."""
-    tokens: list[str] = []
-    if config.tokens_file:
-        with open(config.tokens_file, encoding="utf-8") as f:
-            tokens += [line.split("#", 1)[0].strip() for line in f]
-    if config.tokens_env:
-        if config.tokens_env not in environ:
-            raise ValueError(f"gateway.auth.tokens_env names {config.tokens_env}, which is not set")
-        tokens += [t.strip() for t in environ[config.tokens_env].split(",")]
-    tokens = [t for t in tokens if t]
+    """The configured director tokens (from `main()`: the file and the environment are read there only)."""
+    tokens = _read_tokens(config.tokens_file, config.tokens_env, environ, "tokens")
     if config.enabled and not tokens:
         raise ValueError("gateway.auth is enabled but no token was found in its file or variable")
+    return tokens
+
+
+def load_viewer_tokens(config: GatewayAuthConfig, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The configured viewer tokens (none is fine: then only director tokens watch)."""
+    return _read_tokens(config.viewer_tokens_file, config.viewer_tokens_env, environ, "viewer_tokens")
+
+
+def _read_tokens(path: str, variable: str, environ: Mapping[str, str], name: str) -> tuple[str, ...]:
+    tokens: list[str] = []
+    if path:
+        with open(path, encoding="utf-8") as f:
+            tokens += [line.split("#", 1)[0].strip() for line in f]
+    if variable:
+        if variable not in environ:
+            raise ValueError(f"gateway.auth.{name}_env names {variable}, which is not set")
+        tokens += [t.strip() for t in environ[variable].split(",")]
+    tokens = [t for t in tokens if t]
     short = [t for t in tokens if len(t) < 16]
     if short:
-        raise ValueError(f"{len(short)} gateway token(s) shorter than 16 characters: use long random tokens")
+        raise ValueError(f"{len(short)} gateway {name.replace('_', ' ')} shorter than 16 characters: "
+                         "use long random tokens")
     return tuple(tokens)
 
 
@@ -56,18 +69,23 @@ class Refusal:
 class Access:
     """The gateway's access checks (see the module docstring)."""
 
-    def __init__(self, config: GatewayAuthConfig, tokens: Iterable[str] = (), clock=time.monotonic) -> None:
+    def __init__(self, config: GatewayAuthConfig, tokens: Iterable[str] = (), clock=time.monotonic, *,
+                 viewer_tokens: Iterable[str] = ()) -> None:
         self.config = config
         self._tokens = tuple(t.encode() for t in tokens)
+        self._viewer_tokens = tuple(t.encode() for t in viewer_tokens)
         if config.enabled and not self._tokens:
             raise ValueError("gateway.auth is enabled without tokens")
+        if set(self._tokens) & set(self._viewer_tokens):
+            raise ValueError("a gateway token is both a director and a viewer token: give viewers their own")
         self._clock = clock
         self._open: dict[str, int] = {}
         self._starts: dict[str, deque[float]] = {}
 
     # -- tokens and origin --
-    def check_token(self, headers: Mapping[str, str], query: Mapping[str, str]) -> Refusal | None:
-        """None when auth is off or the request carries a configured token."""
+    def check_token(self, headers: Mapping[str, str], query: Mapping[str, str], *,
+                    watch: bool = False) -> Refusal | None:
+        """None when auth is off or the request carries a director token (or, with `watch`, a viewer token)."""
         if not self.config.enabled:
             return None
         offered = query.get("token", "")
@@ -81,10 +99,12 @@ class Access:
             return Refusal(401, "unauthorized", "a token is required: send 'Authorization: Bearer <token>' "
                                                 "or add ?token=<token> to the URL")
         candidate = offered.encode()
-        matched = False
-        for token in self._tokens:  # every token compared, in constant time each
-            matched |= hmac.compare_digest(candidate, token)
-        return None if matched else Refusal(401, "unauthorized", "the token is not valid")
+        director, viewer = _matches(candidate, self._tokens), _matches(candidate, self._viewer_tokens)
+        if director or (watch and viewer):
+            return None
+        if viewer:
+            return Refusal(403, "not_director", "a viewer token can watch a session but not start one")
+        return Refusal(401, "unauthorized", "the token is not valid")
 
     def check_origin(self, origin: str | None, host: str | None) -> Refusal | None:
         """None when the websocket's Origin is absent, the page's own, loopback or allowed."""
@@ -137,3 +157,10 @@ class Access:
         for address in [a for a, s in self._starts.items() if not s or now - s[-1] >= 60.0]:
             del self._starts[address]
 
+
+
+def _matches(candidate: bytes, tokens: tuple[bytes, ...]) -> bool:
+    matched = False
+    for token in tokens:  # every token compared, in constant time each
+        matched |= hmac.compare_digest(candidate, token)
+    return matched

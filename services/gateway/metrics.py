@@ -62,6 +62,22 @@ class GatewayMetrics:
             "vitascope_chunk_bytes_total", "Bytes of fMP4 sent to clients.", registry=registry
         )
 
+        self.viewers = Gauge(
+            "vitascope_viewers", "Viewers connected to the watch websockets of live sessions.", registry=registry
+        )
+        self.viewer_chunks_total = Counter(
+            "vitascope_viewer_chunks_total", "Binary fMP4 frames (init segments included) sent to viewers.",
+            registry=registry,
+        )
+        self.viewer_bytes_total = Counter(
+            "vitascope_viewer_bytes_total", "Bytes of fMP4 sent to viewers.", registry=registry
+        )
+        self.viewers_dropped_total = Counter(
+            "vitascope_viewers_dropped_total",
+            "Viewers dropped for falling behind, by reason (too_slow: skipped ahead too often; send_timeout: read "
+            "nothing for send_timeout_s).", ["reason"], registry=registry,
+        )
+
     def observe_chunk(self, byte_length: int, timings: StageTimings) -> None:
         """Count one sent chunk and record the stage latencies it reported."""
         self.chunks_total.inc()

@@ -11,7 +11,8 @@ Client -> server (JSON text frames):
   session.stop         ends the session; the server answers `session.done{stopped: true}`
   session.ping         refreshes the stall clock; the server answers `session.pong`
 Server -> client: video.start, video.chunk_metadata (+ exactly one binary fMP4 frame after it),
-  session.interaction.queued, session.queued, session.pong, session.done, error.
+  session.interaction.queued, session.queued, session.pong, session.done, error; to viewers also
+  video.init_segment (+ exactly one binary frame after it).
 Additive to vLLM-Omni: `session.queued{position}`, `error.code` and `error.fault` on every error, and the chunk
 metadata fields `request_index`, `phase_index`, `timings`. A chunk is one phase of generation, except a session's
 first phase, which goes out as three chunks (its first 5 frames as soon as its first clip is decoded, that clip's
@@ -28,45 +29,26 @@ that hold that many frames (124 in the first, 119 in each later one), then a tra
 false}`; without it the session runs until stopped. `num_inference_steps`, `guidance_scale` and `negative_prompt`
 are type-checked and ignored, other unknown fields ignored. The trailer's `generation_chunk_index` is null.
 
-Error codes, whether the connection closes after the `error` message, and its `fault`: every `error` carries
-`fault`, "client" when the client's message, its order or its timing was wrong (fix it, or retry later: the
-busy codes), "server" when the server failed a request that was fine. `interaction_failed` says which (client
-when the backend rejected the prompt, server when the backend failed it); the other codes always say the one below.
-  code                     closes  fault   when
-  invalid_json             no      client  a text frame that is not a JSON object (NaN and Infinity are not JSON,
-                                           nor is a number past a double's range, e.g. 1e999)
-  binary_not_allowed       no      client  a binary frame from the client
-  unknown_type             no      client  `type` missing or not a known message type
-  missing_field            *       client  a required field is absent
-  invalid_type             *       client  a field has the wrong JSON type
-  invalid_value            *       client  a field has an out-of-range value (e.g. negative seed)
-  unsupported_field        *       client  a field this server does not implement (image_reference, lora, ...)
-  message_too_large        *       client  a frame above `max_start_bytes` (start) / `max_interaction_bytes`
-  empty_prompt             *       client  prompt empty or only whitespace
-  prompt_too_long          *       client  prompt longer than `max_prompt_chars`
-  unsupported_format       yes     client  `format` other than "m4s"
-  model_mismatch           yes     client  `model` names another model
-  canvas_not_allowed       yes     client  (width, height) not in the deployment's canvases
-  fps_not_allowed          yes     client  `fps` differs from the served frame rate
-  queue_full               yes     client  the wait queue is at its limit (close code 1013)
-  invalid_request          yes     client  the backend rejected the start
-  start_timeout            yes     client  no `session.start` within `start_timeout_s`
-  session_not_started      no      client  interaction or stop before `session.start`
-  session_already_started  no      client  a second `session.start`; the running session continues
-  event_id_conflict        no      client  an interaction reuses an event id of this session
-  too_many_updates         no      client  max_pending_updates prompt updates already wait for the backend
-  session_stopped          no      client  an interaction after `session.stop`
-  interaction_failed       no      either  the backend rejected a prompt update; streaming continues
-  stall_timeout            yes     client  no chunk and no ping for `stall_timeout_s`
-  backend_unavailable      yes     server  a backend stage failed or is unreachable
-  backend_busy             yes     client  a backend stage had no free session capacity for `stall_timeout_s`
-  internal_error           yes     server  anything else
-  (*) closes when no session runs yet (the rejected frame was, or may have been, the start);
-      stays open once a session runs (the running session continues).
+Viewers (a broadcast): the client that sent `session.start` is the session's director; its `video.start` carries
+`watch_url` (`/v1/realtime/video/watch/{request_id}`, a websocket) and `hls_url`
+(`/v1/realtime/video/hls/{request_id}/playlist.m3u8`), both root-relative. A viewer on the watch websocket gets
+`video.start` (the director's, plus `"role": "viewer"`), then `video.init_segment{byte_length}` + one binary frame
+(the init segment, `ftyp` + `moov`), then the `video.chunk_metadata` + binary frame pairs the director got from the
+newest media chunk on (every chunk opens with a keyframe; a chunk's `byte_length` is that of the viewer's frame, which
+differs from the director's only on chunk 0, whose init segment the viewer got apart), then `session.done`
+(`chunks`: the chunk frames this viewer was sent; `stopped` false only when the session completed its budget) when
+the director's session ends, however it ends. A viewer may send `session.ping` (answered with `session.pong`); any
+other message gets `not_director` and the connection stays open. A viewer that falls behind skips ahead to the newest
+chunk, and is dropped with `viewer_too_slow` after `broadcast.viewer_max_skips` skips without catching up (or
+without an `error` after `send_timeout_s` without reading, as any client). Watching an unknown session is HTTP 404
+`unknown_session`; one that ended less than `broadcast.linger_s` ago answers `video.start`, then `session.done`.
+With `gateway.auth` on the watch websocket takes a viewer or a director token.
+
+Error codes, their faults and which close the connection: `services/gateway/errors.py`.
 A frame above the transport limit `max_frame_bytes` closes the socket with code 1009 and no
 `error` message (the websocket layer drops it before it can be read).
 Close codes: 1000 after `session.done`; 1008 for a rejected start or start_timeout (1009 for
-message_too_large, 1013 for queue_full); 1011 when a running session fails (stall, backend).
+message_too_large, 1013 for queue_full and viewer_too_slow); 1011 when a running session fails (stall, backend).
 `session.ping` is answered with `session.pong` before `session.start` too.
 A client that reads nothing for `send_timeout_s` while the server has a message for it is dropped without
 an `error` (the socket is aborted; it could not have been read) and its slot or queue place is freed. The server
@@ -80,70 +62,29 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from types import MappingProxyType
 from typing import Any, ClassVar, Union
 
-from services.common.errors import ClientError, Fault
 from services.common.media import VIDEO_FPS
+from services.gateway.errors import ErrorCode, ErrorMessage, ProtocolError
 from services.gateway.pipeline import HoldSettings
 
 FORMAT_M4S = "m4s"
 MAX_EVENT_ID_CHARS = 256
+WATCH_PATH = "/v1/realtime/video/watch/{session_id}"
+"""A session's viewers' websocket (root-relative; `video.start.watch_url`)."""
+HLS_PLAYLIST_PATH = "/v1/realtime/video/hls/{session_id}/playlist.m3u8"
+"""A session's LL-HLS playlist (root-relative; `video.start.hls_url`)."""
 
 
-class ErrorCode(str, Enum):
-    """Named error codes carried in `error.code`."""
-
-    INVALID_JSON = "invalid_json"
-    BINARY_NOT_ALLOWED = "binary_not_allowed"
-    UNKNOWN_TYPE = "unknown_type"
-    MISSING_FIELD = "missing_field"
-    INVALID_TYPE = "invalid_type"
-    INVALID_VALUE = "invalid_value"
-    UNSUPPORTED_FIELD = "unsupported_field"
-    MESSAGE_TOO_LARGE = "message_too_large"
-    EMPTY_PROMPT = "empty_prompt"
-    PROMPT_TOO_LONG = "prompt_too_long"
-    UNSUPPORTED_FORMAT = "unsupported_format"
-    MODEL_MISMATCH = "model_mismatch"
-    CANVAS_NOT_ALLOWED = "canvas_not_allowed"
-    FPS_NOT_ALLOWED = "fps_not_allowed"
-    QUEUE_FULL = "queue_full"
-    RATE_LIMITED = "rate_limited"
-    INVALID_REQUEST = "invalid_request"
-    START_TIMEOUT = "start_timeout"
-    SESSION_NOT_STARTED = "session_not_started"
-    SESSION_ALREADY_STARTED = "session_already_started"
-    EVENT_ID_CONFLICT = "event_id_conflict"
-    TOO_MANY_UPDATES = "too_many_updates"
-    SESSION_STOPPED = "session_stopped"
-    INTERACTION_FAILED = "interaction_failed"
-    STALL_TIMEOUT = "stall_timeout"
-    BACKEND_UNAVAILABLE = "backend_unavailable"
-    BACKEND_FAILED = "backend_failed"
-    BACKEND_BUSY = "backend_busy"
-    INTERNAL_ERROR = "internal_error"
+def watch_path(session_id: str) -> str:
+    """The root-relative watch websocket URL of `session_id`."""
+    return WATCH_PATH.format(session_id=session_id)
 
 
-ERROR_FAULTS: Mapping[ErrorCode, Fault] = MappingProxyType({
-    **{code: "client" for code in ErrorCode},
-    ErrorCode.BACKEND_UNAVAILABLE: "server",
-    ErrorCode.BACKEND_FAILED: "server",
-    ErrorCode.INTERNAL_ERROR: "server",
-})
-"""Whose fault each code is (`error.fault`) when the message does not say otherwise: only
-`interaction_failed` may be either, and takes the fault of the backend error behind it."""
-
-
-class ProtocolError(ClientError):
-    """A client message was rejected; becomes one `error` message with `code` (its fault: client)."""
-
-    def __init__(self, code: ErrorCode, message: str, *, event_id: str | None = None) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
-        self.message = message
-        self.event_id = event_id
+def hls_path(session_id: str) -> str:
+    """The root-relative LL-HLS playlist URL of `session_id`."""
+    return HLS_PLAYLIST_PATH.format(session_id=session_id)
 
 
 @dataclass(frozen=True)
@@ -507,10 +448,19 @@ class VideoStart:
     request_id: str
     config: Mapping[str, Any]
     format: str = FORMAT_M4S
+    watch_url: str | None = None
+    """Root-relative websocket URL viewers of this session connect to."""
+    hls_url: str | None = None
+    """Root-relative LL-HLS playlist URL of this session."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"type": "video.start", "request_id": self.request_id, "format": self.format,
-                "config": dict(self.config)}
+        wire: dict[str, Any] = {"type": "video.start", "request_id": self.request_id, "format": self.format,
+                                "config": dict(self.config)}
+        if self.watch_url is not None:
+            wire["watch_url"] = self.watch_url
+        if self.hls_url is not None:
+            wire["hls_url"] = self.hls_url
+        return wire
 
 
 @dataclass(frozen=True)
@@ -553,6 +503,21 @@ class ChunkMetadata:
             "completed_event_ids": list(self.completed_event_ids),
             "timings": dict(self.timings),
         }
+
+
+@dataclass(frozen=True)
+class InitSegment:
+    """`video.init_segment`: a viewer's fMP4 init segment (`ftyp` + `moov`) is the binary frame right after it."""
+
+    request_id: str
+    byte_length: int
+
+    def __post_init__(self) -> None:
+        if self.byte_length <= 0:
+            raise ValueError(f"InitSegment.byte_length={self.byte_length} must be > 0")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "video.init_segment", "request_id": self.request_id, "byte_length": self.byte_length}
 
 
 @dataclass(frozen=True)
@@ -603,33 +568,6 @@ class SessionDone:
                 "stopped": self.stopped}
 
 
-@dataclass(frozen=True)
-class ErrorMessage:
-    """`error`: something was rejected or failed."""
-
-    code: ErrorCode
-    message: str
-    event_id: str | None = None
-    request_id: str | None = None
-    fault: Fault | None = None
-    """Whose fault it was, "client" or "server"; None takes the code's (`ERROR_FAULTS`)."""
-
-    def __post_init__(self) -> None:
-        if self.fault is None:
-            object.__setattr__(self, "fault", ERROR_FAULTS[self.code])
-        elif self.fault not in ("client", "server"):
-            raise ValueError(f"fault={self.fault!r} must be 'client' or 'server'")
-
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"type": "error", "code": self.code.value, "fault": self.fault,
-                                "message": self.message}
-        if self.event_id is not None:
-            wire["event_id"] = self.event_id
-        if self.request_id is not None:
-            wire["request_id"] = self.request_id
-        return wire
-
-
 ServerMessage = Union[
-    VideoStart, ChunkMetadata, InteractionQueued, SessionQueued, Pong, SessionDone, ErrorMessage
+    VideoStart, ChunkMetadata, InitSegment, InteractionQueued, SessionQueued, Pong, SessionDone, ErrorMessage
 ]

@@ -30,6 +30,8 @@ from services.common.logging_setup import log_context
 from services.common.memory import release_free_heap
 from services.common.media import FIRST_REQUEST_FRAMES, LATER_REQUEST_FRAMES, PHASES_PER_REQUEST
 from services.common.config import GatewayConfig
+from services.gateway.broadcast import Broadcasts
+from services.gateway.errors import ErrorCode, ErrorMessage, ProtocolError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import (
     BackendUnavailable,
@@ -41,18 +43,18 @@ from services.gateway.pipeline import (
 )
 from services.gateway.protocol import (
     ChunkMetadata,
-    ErrorCode,
-    ErrorMessage,
     InteractionQueued,
     PacingSettings,
-    ProtocolError,
     ServerMessage,
     SessionDone,
     SessionInteraction,
     SessionQueued,
     SessionStart,
     VideoStart,
+    hls_path,
+    watch_path,
 )
+from services.gateway.recording import Recordings
 from services.gateway.scheduler import QueueFull, SessionScheduler
 
 logger = logging.getLogger(__name__)
@@ -132,11 +134,16 @@ class MediaPacer:
 class SessionService:
     """Admits sessions: validates starts against the deployment and hands out scheduler slots."""
 
-    def __init__(self, config: GatewayConfig, pipeline: Pipeline, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, pipeline: Pipeline, metrics: GatewayMetrics,
+                 recordings: Recordings | None = None) -> None:
         self.config = config
         self.pipeline = pipeline
         self.metrics = metrics
         self.scheduler = SessionScheduler(config.num_slots, config.queue_limit)
+        self.broadcasts = Broadcasts(config.broadcast)
+        """Each session's shared stream, by request id (the watch websocket and the HLS routes read it)."""
+        self.recordings = recordings
+        """Where each session's broadcast is recorded (None: not recorded)."""
         metrics.sessions_active.set_function(lambda: self.scheduler.num_active)
         metrics.sessions_queued.set_function(lambda: self.scheduler.num_waiting)
 
@@ -178,6 +185,8 @@ class SessionService:
         except QueueFull as exc:
             self.metrics.sessions_total.labels(outcome="rejected").inc()
             raise ProtocolError(ErrorCode.QUEUE_FULL, str(exc)) from None
+        if self.recordings is not None:
+            self.recordings.record(session.broadcast)
         with log_context(session_id=request_id):
             logger.info("session %s accepted (%dx%d seed %d)", request_id, request.width,
                         request.height, request.seed)
@@ -224,6 +233,11 @@ class Session:
         self.finished = False
         self._ran = False
         self.ticket = service.scheduler.enqueue(lambda _pos: self._position_changed.set())
+        self._start = VideoStart(self.request_id, self._accepted_config(), watch_url=watch_path(self.request_id),
+                                 hls_url=hls_path(self.request_id))
+        self.broadcast = service.broadcasts.open(self.request_id, fps=request.fps)
+        """What this session's viewers see: every chunk sent to this client (the director), published as sent."""
+        self.broadcast.start = self._start.to_wire()
 
     @property
     def stopped(self) -> bool:
@@ -271,6 +285,7 @@ class Session:
         if not self._ran:
             self.finished = True
             self._service.scheduler.release(self.ticket)
+            self.broadcast.end(chunks=0, stopped=True)
 
     async def run(self) -> Outcome:
         """Drive the session to its end; cancelling this coroutine cancels the backend session."""
@@ -282,7 +297,7 @@ class Session:
         outcome = Outcome.DISCONNECTED
         updater: asyncio.Task[None] | None = None
         try:
-            await self._sink.send(VideoStart(self.request_id, self._accepted_config()))
+            await self._sink.send(self._start)
             if await self._wait_for_slot():
                 outcome = Outcome.STOPPED
                 await self._sink.send(SessionDone(self.request_id, 0, stopped=True))
@@ -329,6 +344,7 @@ class Session:
                 await self._cancel_pipe(self._pipe)
         finally:
             self._service.scheduler.release(self.ticket)
+            self.broadcast.end(chunks=self._chunks_sent, stopped=outcome is not Outcome.COMPLETED)
             self._metrics.sessions_total.labels(outcome=outcome.value).inc()
             logger.info("session %s ended: %s after %d chunks", self.request_id, outcome.value,
                         self._chunks_sent)
@@ -491,6 +507,7 @@ class Session:
             completed_event_ids=chunk.completed_event_ids, timings=chunk.timings.as_dict(),
         )
         await self._sink.send_media(metadata, chunk.data)
+        self.broadcast.publish(metadata.to_wire(), chunk.data)  # never waits on viewers
         self._chunks_sent += 1
         if chunk.kind == "media" and not chunk.phase_continues:  # a generation chunk is a whole phase
             self._media_chunks += 1

@@ -1,4 +1,4 @@
-"""aiohttp transport: `/v1/realtime/video` websocket, `/healthz`, `/metrics` and the browser page.
+"""aiohttp transport: `/v1/realtime/video` websocket, its viewers' watch websockets, `/healthz`, `/metrics`, the pages.
 
 Knows nothing about how chunks are generated: it reads frames, parses them with `protocol`,
 drives `service.Session`, and writes what the session emits. Which errors close the connection is
@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +19,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.common.config import GatewayConfig
 from services.gateway.access import Access, Refusal
+from services.gateway.broadcast import TooManyViewers
+from services.gateway.errors import ErrorCode, ErrorMessage, ProtocolError
+from services.gateway.hls import HlsTiming
+from services.gateway.hls_routes import HlsRoutes
+from services.gateway.recording import Recordings
+from services.gateway.recording_routes import RecordingRoutes
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.protocol import (
+    WATCH_PATH,
     ChunkMetadata,
-    ErrorCode,
-    ErrorMessage,
     MessageLimits,
     Pong,
-    ProtocolError,
     ServerMessage,
     SessionInteraction,
     SessionPing,
@@ -36,6 +40,7 @@ from services.gateway.protocol import (
     parse_client_text,
 )
 from services.gateway.service import ClientGone, Outcome, Session, SessionService
+from services.gateway.watch import WatchConnection
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,11 @@ def create_app(config: GatewayConfig, pipeline: Pipeline, registry: CollectorReg
     """Build the gateway's aiohttp application (metrics go to `registry`, a fresh one if None; `access`: the
     token, origin and per-address checks, built from `config.auth` without tokens if None)."""
     registry = registry if registry is not None else CollectorRegistry()
-    service = SessionService(config, pipeline, GatewayMetrics(registry))
+    recordings = None
+    if config.recordings_dir is not None:
+        recordings = Recordings(config.recordings_dir, max_count=config.recordings_max_count,
+                                max_age_s=config.recordings_max_age_s)
+    service = SessionService(config, pipeline, GatewayMetrics(registry), recordings)
     app = web.Application()
     app[SERVICE_KEY] = service
     app[CONFIG_KEY] = config
@@ -72,15 +81,34 @@ def create_app(config: GatewayConfig, pipeline: Pipeline, registry: CollectorReg
     app[ACCESS_KEY] = access if access is not None else Access(config.auth)
     static_dir = Path(config.static_dir) if config.static_dir else STATIC_DIR
     index = static_dir / "index.html"
+    watch_page = static_dir / "watch.html"
 
     async def index_page(_request: web.Request) -> web.FileResponse:
         return web.FileResponse(index)
 
+    async def watch_page_of(_request: web.Request) -> web.FileResponse:
+        return web.FileResponse(watch_page)
+
     app.router.add_get("/", index_page)
+    app.router.add_get("/watch/{session_id}", watch_page_of)
     app.router.add_static("/static/", static_dir)
     app.router.add_get(REALTIME_PATH, realtime_video)
+    app.router.add_get(WATCH_PATH, watch_video)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
+    HlsRoutes(service.broadcasts, app[ACCESS_KEY],
+              HlsTiming(config.hls_part_target_s, config.hls_target_duration_s)).register(app.router)
+    if recordings is not None:
+        RecordingRoutes(recordings, app[ACCESS_KEY]).register(app.router)
+
+        async def start_recordings(_app: web.Application) -> None:
+            await recordings.start()
+
+        async def close_recordings(_app: web.Application) -> None:
+            await recordings.close()
+
+        app.on_startup.append(start_recordings)
+        app.on_cleanup.append(close_recordings)
     return app
 
 
@@ -135,6 +163,45 @@ async def realtime_video(request: web.Request) -> web.StreamResponse:
         access.close_connection(address)
 
 
+async def watch_video(request: web.Request) -> web.StreamResponse:
+    """Stream a live session to one viewer over a websocket, once the origin, the token, the id and the limits allow."""
+    config, access, service = request.app[CONFIG_KEY], request.app[ACCESS_KEY], request.app[SERVICE_KEY]
+    refusal = (access.check_origin(request.headers.get("Origin"), request.host)
+               or access.check_token(request.headers, request.query, watch=True))
+    if refusal is not None:
+        logger.info("watch websocket from %s refused: %s", request.remote, refusal.code)
+        return refused(refusal)
+    session_id = request.match_info["session_id"]
+    broadcast = service.broadcasts.get(session_id)
+    if broadcast is None:
+        return refused(Refusal(404, ErrorCode.UNKNOWN_SESSION.value, "no live session has this id"))
+    address = request.remote or "unknown"
+    refusal = access.open_connection(address)
+    if refusal is not None:
+        return refused(refusal)
+    try:
+        try:
+            viewer = broadcast.subscribe()
+        except TooManyViewers as exc:
+            return refused(Refusal(503, ErrorCode.TOO_MANY_VIEWERS.value, str(exc)))
+        with viewer:
+            # No compression: fMP4 does not deflate, and deflating once per viewer would cost CPU per viewer.
+            ws = web.WebSocketResponse(max_msg_size=config.max_interaction_bytes, heartbeat=config.heartbeat_s,
+                                       compress=False)
+            await ws.prepare(request)
+            limits = MessageLimits(config.max_interaction_bytes, config.max_interaction_bytes,
+                                   config.max_prompt_chars)
+            sink = _WebSocketSink(ws, request.transport, config.send_timeout_s)
+            try:
+                await WatchConnection(ws, sink, viewer, limits, service.metrics).serve()
+            finally:
+                if not ws.closed:
+                    await ws.close()
+            return ws
+    finally:
+        access.close_connection(address)
+
+
 class _WebSocketSink:
     """MessageSink over one websocket; a lock keeps metadata and its bytes adjacent.
 
@@ -156,9 +223,19 @@ class _WebSocketSink:
             await self._bounded(self._ws.send_str(json.dumps(message.to_wire())))
 
     async def send_media(self, metadata: ChunkMetadata, data: bytes) -> None:
+        await self.send_wire(metadata.to_wire(), data)
+
+    async def send_wire(self, wire: Mapping[str, Any], data: bytes | None = None) -> None:
+        """Send a JSON-ready dict, then (when given) its binary frame right after it."""
         async with self._lock:
-            await self._bounded(self._ws.send_str(json.dumps(metadata.to_wire())))
-            await self._bounded(self._ws.send_bytes(data))
+            await self._bounded(self._ws.send_str(json.dumps(wire)))
+            if data is not None:
+                await self._bounded(self._ws.send_bytes(data))
+
+    @property
+    def dropped(self) -> bool:
+        """True once a send timed out and the connection was aborted."""
+        return self._dropped
 
     async def _bounded(self, send: Coroutine[Any, Any, None]) -> None:
         if self._dropped or self._ws.closed:
@@ -168,12 +245,18 @@ class _WebSocketSink:
             await asyncio.wait_for(send, self._timeout_s)
         except asyncio.TimeoutError:
             logger.warning("the client read nothing for %g s; dropping the connection", self._timeout_s)
-            self._drop()
+            self.abort()
             raise ClientGone("the client stopped reading") from None
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone(str(exc)) from None
 
-    def _drop(self) -> None:
+    @property
+    def sending(self) -> bool:
+        """True while a message is on its way to the socket (it may be stuck behind a client that reads nothing)."""
+        return self._lock.locked()
+
+    def abort(self) -> None:
+        """Drop the connection now (every later send raises ClientGone)."""
         self._dropped = True
         if self._transport is not None:
             self._transport.abort()

@@ -19,6 +19,7 @@ so the decode's GPU time is spread over the GPUs the DiT ranks share with it.
 """
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -29,7 +30,10 @@ from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.models.modeling_utils import get_parameter_dtype
 
 from services.common.errors import InvalidInput
+from services.common.startup import Steps
 from services.tensors.cuda_graphs import CudaGraphBank, GraphKey
+
+log = logging.getLogger(__name__)
 
 VIDEO_LATENT_CHANNELS = 24
 AUDIO_LATENT_CHANNELS = 32
@@ -393,9 +397,11 @@ class AudioDecoder:
         `incremental.audio_graph_lengths`); other lengths decode eagerly. The vocoder's ~thousand small kernels
         per call are otherwise launched one by one from the VAE's audio thread."""
         bank = CudaGraphBank(self.device)
+        captured = Steps(log, "audio-decoder CUDA graphs", len(lengths))
         for n in lengths:
             z = torch.zeros(AUDIO_CHANNELS, self.vae.config.latent_channels, n, device=self.device)  # [2, C, n]
             bank.capture(GraphKey.for_inputs("audio_vae", [z]), self._waveform, [z])
+            captured.tick(f"{n} latents")
         bank.seal()
         self.graphs = bank
 

@@ -27,6 +27,7 @@ from services.common.errors import InvalidInput, NotReady, SequenceMismatch
 from services.common.grpc_server import Stage
 from services.common.media import AUDIO_SAMPLE_RATE, VIDEO_FPS
 from services.common.memory import release_free_heap
+from services.common.startup import Steps
 from services.common.threads import run_on
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from services.vae.incremental import (IncrementalAudioDecoder, IncrementalVideoDecoder, audio_graph_lengths,
@@ -335,10 +336,16 @@ class VAEService(Stage):
         cfg = self.profile.vae
         root = pathlib.Path(self.profile.model.dir) / "MiniMax-H3"
         dtype = getattr(torch, cfg.dtype)
-        replicas = [load_video_vae(root, device, dtype) for device in cfg.tile_devices]
+        loaded = Steps(log, "VAE weights", 2 + len(cfg.tile_devices))
+        replicas = []
+        for device in cfg.tile_devices:
+            replicas.append(load_video_vae(root, device, dtype))
+            loaded.tick(f"video VAE tile replica on {device}")
         self.video = VideoDecoder(load_video_vae(root, cfg.device, dtype), tile_overlap=cfg.tile_overlap_px,
                                   tile_replicas=replicas, compile_blocks=cfg.compile_blocks)
+        loaded.tick(f"video VAE on {cfg.device}")
         self.audio = AudioDecoder(load_audio_vae(root, cfg.device, dtype))
+        loaded.tick(f"audio VAE on {cfg.device}")
         radius = IncrementalAudioDecoder(self.audio).radius
         self.audio_right_context = radius if cfg.audio_right_context == "exact" else min(cfg.audio_right_context,
                                                                                           radius)
@@ -360,12 +367,11 @@ class VAEService(Stage):
 
     def _warm_up(self) -> None:
         if self.profile.vae.compile_blocks:
-            started = time.perf_counter()
             canvases = self.profile.gateway.allowed_canvases
+            compiled = Steps(log, "video decoder compiles (every phase shape of a canvas)", len(canvases))
             for width, height in canvases:
                 warm_up_video(self.video, width, height)
-            log.info("video decoder compiled for %s in %.1f s", [f"{w}x{h}" for w, h in canvases],
-                     time.perf_counter() - started)
+                compiled.tick(f"{width}x{height}")
         ratio = self.video.spatial_ratio
         session = self.open(4 * ratio, 4 * ratio, VIDEO_FPS, AUDIO_SAMPLE_RATE)
         for _ in session.phase(torch.zeros(12, self.video.vae.config.latent_channels, 4, 4),

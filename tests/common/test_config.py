@@ -67,6 +67,23 @@ def test_gateway_section_is_typed_and_checked_on_load(tmp_path):
     assert Profile(name="p", model=ModelConfig(preset="tiny", dir="x")).gateway == GatewayConfig()
 
 
+def test_gateway_broadcast_section_is_typed_and_checked_on_load(tmp_path):
+    p = tmp_path / "p.yaml"
+    model = "model: {preset: tiny, dir: x}\n"
+    p.write_text(model + "gateway: {broadcast: {viewer_queue_chunks: 2, max_viewers: 10}}\n")
+    broadcast = load_profile(p).gateway.broadcast
+    assert (broadcast.viewer_queue_chunks, broadcast.max_viewers, broadcast.viewer_max_skips) == (2, 10, 3)
+    p.write_text(model + "gateway: {broadcast: {max_viewer: 10}}\n")
+    with pytest.raises(ValueError, match="'gateway.broadcast': unknown keys \\['max_viewer'\\]"):
+        load_profile(p)
+    for bad, match in (("viewer_queue_chunks: 0", "viewer_queue_chunks=0: must be >= 1"),
+                       ("viewer_max_skips: -1", "viewer_max_skips=-1: must be >= 0"),
+                       ("retain_s: 0", "retain_s=0: must be > 0 seconds")):
+        p.write_text(model + f"gateway: {{broadcast: {{{bad}}}}}\n")
+        with pytest.raises(ValueError, match=match):
+            load_profile(p)
+
+
 @pytest.mark.parametrize("canvases, default, match", [
     ((), (480, 864), "gateway.allowed_canvases is empty"),
     ([[480, 864], [864]], (480, 864), "entry \\[864\\]: must be a \\[width, height\\] pair"),

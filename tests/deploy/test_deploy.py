@@ -66,6 +66,10 @@ def _compose_config(files: list[str], env_file: str | None) -> subprocess.Comple
     return subprocess.run([*args, "config"], capture_output=True, text=True, cwd=DEPLOY, env=env, timeout=60)
 
 
+PROGRESS_FILE = "/tmp/startup.json"
+"""Where each stage container keeps its start-up progress (`--progress-file`), read by its start-up probe."""
+
+
 @pytest.mark.parametrize("env_file, profile, gpus", [(".env.usp2_fp8", "usp2_fp8", 2),
                                                       (".env.usp4_bf16", "usp4_bf16", 4)])
 def test_gpu_compose_config_passes_per_profile(env_file, profile, gpus):
@@ -76,7 +80,8 @@ def test_gpu_compose_config_passes_per_profile(env_file, profile, gpus):
     assert set(services) == {"pod", "encoder", "dit", "vae", "gateway"}
     for name in ("encoder", "dit", "vae", "gateway"):
         svc = services[name]
-        published = ["--metrics-host", "0.0.0.0"] if name != "gateway" else []  # the pod publishes 127.0.0.1:910x
+        published = ["--metrics-host", "0.0.0.0", "--progress-file", PROGRESS_FILE] if (  # the pod publishes 910x
+            name != "gateway") else []  # on the host's 127.0.0.1; the health check prints the start-up progress
         assert svc["command"] == ["python", "-m", f"services.{name}", "--profile", f"configs/{profile}.yaml",
                                   *published]
         assert svc["network_mode"] == "service:pod"
@@ -85,7 +90,8 @@ def test_gpu_compose_config_passes_per_profile(env_file, profile, gpus):
     for name, (health, port) in HEALTH.items():
         svc = services[name]
         assert svc["ipc"] == "service:pod" and svc["pid"] == "service:pod"
-        assert svc["healthcheck"]["test"][-4:] == ["--addr", f"127.0.0.1:{port}", "--service", health]
+        assert svc["healthcheck"]["test"][-6:] == ["--addr", f"127.0.0.1:{port}", "--service", health,
+                                                   "--progress-file", PROGRESS_FILE]
         assert {"target": "/models", "read_only": True}.items() <= svc["volumes"][0].items()
         assert {"type": "volume", "source": "compile-cache", "target": "/cache"}.items() <= svc["volumes"][1].items()
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -314,7 +320,7 @@ def test_schema_validation_catches_mistakes(rendered):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     _, docs = rendered
     broken = copy.deepcopy(_deployment(docs))
-    broken["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["grpc"]["servce"] = "typo"
+    broken["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["servce"] = "typo"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
     broken = copy.deepcopy(_deployment(docs))
@@ -342,7 +348,8 @@ def test_overlay_matches_its_profile(overlay, profile):
     docs = render(K8S / "overlays" / overlay)
     pod = _deployment(docs)["spec"]["template"]["spec"]
     for container in pod["containers"]:  # the stages bind the pod's address: the kubelet probes it, Prometheus too
-        scraped = ["--host", "0.0.0.0", "--metrics-host", "0.0.0.0"] if container["name"] != "gateway" else []
+        scraped = ["--host", "0.0.0.0", "--metrics-host", "0.0.0.0", "--progress-file", PROGRESS_FILE] if (
+            container["name"] != "gateway") else []
         assert container["args"] == ["--profile", f"configs/{profile}.yaml", *scraped]
     claim = _by_key(docs)[("ResourceClaimTemplate", "vitascope-gpus")]
     count = claim["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"]
@@ -370,8 +377,12 @@ def test_pod_shares_gpus_ipc_and_pids_and_probes_each_stage(rendered):
         assert {"name": "compile-cache", "mountPath": "/cache"} in c["volumeMounts"]  # outlives a restart
         assert c["readinessProbe"]["grpc"] == {"port": port, "service": health}
         assert c["livenessProbe"]["grpc"] == {"port": port, "service": ""}
-        startup = c["startupProbe"]
-        assert startup["grpc"] == {"port": port, "service": health}
+        startup = c["startupProbe"]  # an exec probe whose failure message says how far start-up got
+        assert c["args"][c["args"].index("--progress-file") + 1] == PROGRESS_FILE
+        assert startup["exec"]["command"] == ["python", "-m", "services.common.healthcheck", "--addr",
+                                              f"127.0.0.1:{port}", "--service", health, "--progress-file",
+                                              PROGRESS_FILE]
+        assert startup["timeoutSeconds"] >= 5  # the probe starts a Python interpreter
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # model load + warmup
         assert {"requests", "limits"} <= set(c["resources"])
     gateway = containers["gateway"]

@@ -47,6 +47,7 @@ def test_a_session_without_the_contracts_methods_is_not_a_dit_session():
     assert not isinstance(types.SimpleNamespace(open_session=print), DiTBackend)
 
 
+@pytest.mark.slow
 def test_the_runtime_and_the_group_keep_the_backend_contract_and_run_the_same_phase():
     runtime = build_tiny(tiny_profile(("cpu",)), torch.device("cpu"))
     assert type(runtime) is DiTRuntime

@@ -205,8 +205,12 @@ async def test_slow_consumer_never_has_more_than_max_phases_ahead_unacked(max_ah
             stages.dit.acks_sent.append((meta.request_index, meta.phase_index))
             await call.write(dit_pb2.StreamRequest(ack=dit_pb2.PhaseAck(
                 request_index=meta.request_index, phase_index=meta.phase_index)))
-        await asyncio.sleep(0.1)
         session = stages.dit.sessions[0]
+        for _ in range(500):  # the window refills as the acks land: wait for it (a loaded machine takes a while)
+            if session.started >= 8 + max_ahead:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # and a little longer: a phase past the window would start now
         call.cancel()
     assert session.started >= 8 + max_ahead  # it did use the whole window
     assert max(session.ahead_at_start) == max_ahead - 1  # phase k starts only while < max_ahead are unacked

@@ -113,3 +113,13 @@ def test_finite_hold_in_a_session_uses_the_fallback(tmp_path):
     assert out.meta.request_index == 1 and out.meta.timings.hold_s >= 0.2
     assert out.meta.active_event_id == "fallback" and out.meta.started_event_ids == ("fallback",)
     session.close()
+
+
+def test_an_update_that_arrives_before_request_0_begins_applies_at_request_1():
+    first, early = prompt(1, "e0"), prompt(2, "early")
+    book = PromptBook(first, HoldConfig(enabled=False, max_seconds=None, poll_seconds=0.01))
+    book.submit(early)  # e.g. sent on video.start and forwarded before the DiT started its first request
+    rp0 = book.for_request(0, CancelToken())
+    assert rp0.prompt is first and rp0.started == ("e0",) and rp0.superseded == ()
+    rp1 = book.for_request(1, CancelToken())
+    assert rp1.prompt is early and rp1.started == ("early",)

@@ -21,11 +21,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from services.gateway.errors import ErrorCode, ProtocolError
 from services.gateway.protocol import (
     ClientMessage,
-    ErrorCode,
     MessageLimits,
-    ProtocolError,
     SessionInteraction,
     SessionPing,
     SessionStart,
@@ -262,6 +261,7 @@ def generated_budget():
 
 @settings(max_examples=PARSER_EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@pytest.mark.slow
 @given(text=ANY_TEXT)
 def test_parser_names_every_rejection(text):
     GENERATED["parser"] = GENERATED.get("parser", 0) + 1
@@ -365,6 +365,7 @@ async def _sequence_case(frames: list[Frame], with_session: bool) -> None:
 
 @settings(max_examples=LIVE_SEQUENCES, deadline=None, derandomize=True, database=None, phases=NO_SHRINK,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@pytest.mark.slow
 @given(frames=SEQUENCES, with_session=st.booleans())
 def test_live_gateway_survives_frame_sequences(frames, with_session):
     GENERATED["live"] = GENERATED.get("live", 0) + len(frames)
@@ -395,6 +396,7 @@ async def _one_server_many_connections(sequences: list[list[Frame]]) -> None:
 
 @settings(max_examples=3, deadline=None, derandomize=True, database=None, phases=NO_SHRINK,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@pytest.mark.slow
 @given(sequences=st.lists(st.lists(FRAMES, min_size=20, max_size=40), min_size=4, max_size=6))
 def test_live_gateway_interleaved_with_running_sessions(sequences):
     GENERATED["interleaved"] = GENERATED.get("interleaved", 0) + sum(map(len, sequences))

@@ -288,3 +288,29 @@ async def run_good_session(server: TestServer, prompt: str = "a good session", t
 async def healthz(server: TestServer) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as http, http.get(server.make_url("/healthz")) as resp:
         return resp.status, await resp.json()
+
+
+_W, _H, _FPS = 64, 48, 24
+"""The canvas and rate of `fmp4_chunks`."""
+
+
+def fmp4_chunks(num_chunks: int, frames: int = 6) -> list[bytes]:
+    """Real fMP4 chunks as the VAE sends them: the first opens with the init segment, the last is the trailer."""
+    muxer = FragmentedMP4Muxer(_W, _H, fps=_FPS, sample_rate=SAMPLE_RATE)
+    out = []
+    for i in range(num_chunks):
+        video = np.full((frames, _H, _W, 3), (i * 40) % 255, np.uint8)
+        t = (np.arange(frames * SAMPLE_RATE // _FPS) + i * frames * SAMPLE_RATE // _FPS) / SAMPLE_RATE
+        tone = (0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+        out.append(muxer.encode(video, np.stack([tone, tone])))
+    out.append(muxer.close())
+    return out
+
+
+def chunk_metadata(index: int, data: bytes, *, kind: str = "media", frames: int = 6) -> dict:
+    """A `video.chunk_metadata` wire dict for chunk `index` of `fmp4_chunks` (session "s")."""
+    media = kind == "media"
+    return {"type": "video.chunk_metadata", "request_id": "s", "kind": kind, "transport_chunk_index": index,
+            "request_index": index // 4, "phase_index": index % 4, "num_frames": frames if media else 0,
+            "num_audio_samples": frames * SAMPLE_RATE // _FPS if media else 1024,
+            "audio_sample_rate": SAMPLE_RATE, "byte_length": len(data)}

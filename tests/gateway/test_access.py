@@ -5,7 +5,7 @@ import json
 import pytest
 
 from services.common.config import GatewayAuthConfig
-from services.gateway.access import Access, load_tokens
+from services.gateway.access import Access, load_tokens, load_viewer_tokens
 
 pytestmark = pytest.mark.cpu
 TOKEN = "t0ken-0123456789abcdef"
@@ -52,6 +52,27 @@ def test_tokens_come_from_a_file_and_a_variable(tmp_path):
         load_tokens(GatewayAuthConfig(enabled=True, tokens_env="T"), {"T": "short"})
     with pytest.raises(ValueError, match="needs gateway.auth.tokens_file or gateway.auth.tokens_env"):
         GatewayAuthConfig(enabled=True)
+
+
+def test_viewer_tokens_watch_but_cannot_start_and_director_tokens_do_both(tmp_path):
+    viewer = "v13wer-0123456789abcdef"
+    access = Access(GatewayAuthConfig(enabled=True, tokens_env="T"), [TOKEN], viewer_tokens=[viewer])
+    assert access.check_token({}, {"token": TOKEN}) is None
+    assert access.check_token({}, {"token": TOKEN}, watch=True) is None
+    assert access.check_token({"Authorization": f"Bearer {viewer}"}, {}, watch=True) is None
+    refusal = access.check_token({}, {"token": viewer})
+    assert (refusal.status, refusal.code) == (403, "not_director") and viewer not in refusal.message
+    assert access.check_token({}, {"token": "w" * 20}, watch=True).status == 401
+    assert access.check_token({}, {}, watch=True).status == 401
+    with pytest.raises(ValueError, match="both a director and a viewer token"):
+        Access(GatewayAuthConfig(enabled=True, tokens_env="T"), [TOKEN], viewer_tokens=[TOKEN])
+    path = tmp_path / "viewers"
+    path.write_text(f"{viewer}  # the audience\n")
+    config = GatewayAuthConfig(enabled=True, tokens_env="T", viewer_tokens_file=str(path), viewer_tokens_env="V")
+    assert load_viewer_tokens(config, {"V": "u" * 16}) == (viewer, "u" * 16)
+    assert load_viewer_tokens(GatewayAuthConfig(), {}) == ()
+    with pytest.raises(ValueError, match="viewer_tokens_env names V"):
+        load_viewer_tokens(config, {})
 
 
 @pytest.mark.parametrize("origin, host, ok", [

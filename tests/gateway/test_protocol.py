@@ -6,15 +6,12 @@ import pytest
 
 from services.common.errors import ClientError
 from services.common.config import GatewayConfig
+from services.gateway.errors import ERROR_FAULTS, ErrorCode, ErrorMessage, ProtocolError
 from services.gateway.grpc_pipeline import pipeline_error
 from services.gateway.pipeline import BackendBusy, BackendFailed, BackendUnavailable, InvalidRequest
 from services.gateway.protocol import (
-    ERROR_FAULTS,
     ChunkMetadata,
-    ErrorCode,
-    ErrorMessage,
     MessageLimits,
-    ProtocolError,
     SessionInteraction,
     SessionPing,
     SessionStart,

@@ -20,7 +20,7 @@ from services.vae.incremental import IncrementalAudioDecoder
 from services.vae.model import AudioDecoder, VideoDecoder
 from services.vae.service import DecodeSession
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]  # each test decodes whole streams three ways: seconds each
 
 WIDTH, HEIGHT = 96, 64
 PHASES = [(12, 65), (10, 57), (10, 56), (5, 29)]  # request 0: 39, 34, 34, 17 frames

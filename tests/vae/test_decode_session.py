@@ -51,6 +51,7 @@ def session(decoders, worker) -> DecodeSession:
                          worker)
 
 
+@pytest.mark.slow
 def test_phases_give_the_bytes_of_decoding_one_after_the_other(decoders, worker):
     video, audio = decoders
     vdec = IncrementalVideoDecoder(video)
@@ -134,6 +135,7 @@ BAD_PHASES = {  # the second phase (10 video latents, 57 audio latents a channel
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", BAD_PHASES)
 def test_a_bad_phase_is_named_and_advances_neither_decoder(decoders, worker, bad):
     spoil, message = BAD_PHASES[bad]
@@ -203,6 +205,7 @@ def decode_requests(session_id, phases, labels):
         yield vae_pb2.DecodeRequest(phase_end=vae_pb2.PhaseEnd(request_index=request_index, phase_index=phase_index))
 
 
+@pytest.mark.slow
 async def test_more_concurrent_decode_calls_than_worker_threads_all_finish(decoders, worker):
     # a session's chunks hold the shared lock from its first chunk to its last: sessions waiting for it in worker
     # threads once filled the event loop's pool, and the holder could not make its next chunk (every call hung)

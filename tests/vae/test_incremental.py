@@ -143,6 +143,7 @@ def test_audio_receptive_radius_bounds_the_measured_one(audio):
     assert center - radius <= hit.min() and hit.max() < center + 1 + radius
 
 
+@pytest.mark.slow
 def test_audio_phases_match_whole_decode(audio):
     z = torch.randn(2, sum(AUDIO_PHASES), 32, generator=torch.Generator().manual_seed(3))
     inc = IncrementalAudioDecoder(audio)

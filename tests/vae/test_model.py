@@ -73,6 +73,7 @@ def _diffusers_pixels(vae, z: torch.Tensor) -> torch.Tensor:
     return (sample * imagenet_std + imagenet_mean).clamp(0, 1).permute(1, 2, 3, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_latents, frames", [(7, 22), (12, 39), (17, 56)])
 def test_batched_tiles_match_diffusers_tiled_decode(ckpt, num_latents, frames):
     # 64 px tiles with 32 px minimum overlap (the tiny net keeps the 16x patch): a 144 x 176 px canvas needs a 4 x 5
@@ -96,6 +97,7 @@ def test_batched_tiles_match_diffusers_tiled_decode(ckpt, num_latents, frames):
     assert (VideoDecoder(vae).decode_pixels(z) - ref).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_tile_replicas_share_the_tiles_and_give_the_same_frames(ckpt):
     # Two replicas (deep copies here; other GPUs in a deployment) each take a contiguous share of the 2 clips x 20
     # tiles; with one tile per ViT call the result is the library's per-tile decode bit for bit.

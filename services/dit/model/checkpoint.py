@@ -1,9 +1,10 @@
 """MiniMax-H3 DiT checkpoints on disk: the original sharded layout and the diffusers layout, both ways.
 
 `load_dit` validates a checkpoint directory from its index, config and shard headers alone, then streams it shard by
-shard onto the target device into a meta-device model. `write_random_checkpoint` writes the exact on-disk layout of
-the shipped checkpoint (file names, key names, dtypes, index, config) with random weights. Knows nothing about
-attention patterns, LoRA, sequence parallelism or the serving runtime.
+shard onto the target device into a meta-device model. `write_checkpoint` writes the exact on-disk layout of the
+shipped checkpoint (file names, key names, dtypes, index, config): random weights (`write_random_checkpoint`) or
+trained ones (`write_trained_checkpoint`). Knows nothing about attention patterns, LoRA, sequence parallelism or the
+serving runtime.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import json
 import logging
 import os
 import struct
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from services.common.errors import InternalError
+from services.common.startup import Steps, size_text
 from services.dit.model.network import DiT, ModelArgs, is_fp32_param, meta_model, rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -383,8 +385,9 @@ def load_dit(path: str | os.PathLike, preset_args: ModelArgs, device: torch.devi
     maps = key_maps(preset_args, info.layout)
     by_key = {k: m for m in maps for k in m.keys}
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    started, loaded_bytes = time.perf_counter(), 0
-    for number, shard in enumerate(info.shards, 1):
+    loaded_bytes = 0
+    shards = Steps(log, "DiT shards", len(info.shards))
+    for shard in info.shards:
         keys = [k for k, s in info.weight_map.items() if s == shard]
         loaded_bytes += (info.directory / shard).stat().st_size
         with safe_open(str(info.directory / shard), framework="pt", device=str(device)) as f:
@@ -396,8 +399,7 @@ def load_dit(path: str | os.PathLike, preset_args: ModelArgs, device: torch.devi
                     t = _to_model(m, [parts[k] for k in m.keys], preset_args)
                     _assign(model, m.name, t.to(torch.float32 if is_fp32_param(m.name) else dtype))
                     del pending[m.name]
-        log.info("loaded shard %d/%d %s (%d tensors; %.1f GiB in %.0f s)", number, len(info.shards), shard, len(keys),
-                 loaded_bytes / 2**30, time.perf_counter() - started)
+        shards.tick(f"{shard}: {len(keys)} tensors, {size_text(loaded_bytes)} in all")
     if info.layout == "diffusers":
         _assign(model, "rope.inv_freq", rope_inv_freq(preset_args.rope_freqs, preset_args.rope_theta).to(device))
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
@@ -433,11 +435,10 @@ def _assign_shards(sizes: list[int], n: int) -> list[int]:
     return out
 
 
-def write_random_checkpoint(args: ModelArgs, out_dir: str | os.PathLike, layout: str, seed: int = 0) -> Path:
-    """Write a random-weight checkpoint in the exact on-disk layout of the shipped one; returns `out_dir`.
-
-    The same (args, seed) gives the same model in both layouts. Shards are generated one at a time.
-    """
+def write_checkpoint(args: ModelArgs, out_dir: str | os.PathLike, layout: str,
+                     tensor: Callable[[KeyMap, int], torch.Tensor]) -> Path:
+    """Write the model tensors `tensor(map, index)` (float32, `index` the tensor's place in the original layout) in
+    the exact on-disk layout of the shipped checkpoint; returns `out_dir`. Shards are written one at a time."""
     _check_layout(layout)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -456,8 +457,11 @@ def write_random_checkpoint(args: ModelArgs, out_dir: str | os.PathLike, layout:
                 continue
             m = maps[mi]
             if mi not in parts:
-                full = _random_tensor(m, model_index[m.name], seed, args)
-                parts[mi] = _to_file(m, full, args)
+                full = tensor(m, model_index[m.name])
+                if tuple(full.shape) != m.shape:
+                    raise CheckpointMismatchError(f"{m.name} has shape {tuple(full.shape)}, the preset's is {m.shape}",
+                                                  [], [], [m.name], [])
+                parts[mi] = _to_file(m, full.detach().float().cpu(), args)
             part = parts[mi][m.keys.index(key)]
             tensors[key] = part.to(torch.float32 if m.file_dtype == "F32" else torch.bfloat16)
             weight_map[key] = names[i]
@@ -467,3 +471,23 @@ def write_random_checkpoint(args: ModelArgs, out_dir: str | os.PathLike, layout:
     (out / "config.json").write_text(json.dumps(config_for(args, layout), indent=2) + "\n")
     log.info("wrote %s-layout checkpoint with %d tensors to %s", layout, len(items), out)
     return out
+
+
+def write_random_checkpoint(args: ModelArgs, out_dir: str | os.PathLike, layout: str, seed: int = 0) -> Path:
+    """Write a random-weight checkpoint in the exact on-disk layout of the shipped one; returns `out_dir`.
+
+    The same (args, seed) gives the same model in both layouts.
+    """
+    return write_checkpoint(args, out_dir, layout, lambda m, index: _random_tensor(m, index, seed, args))
+
+
+def write_trained_checkpoint(args: ModelArgs, state: Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
+                             layout: str = "original") -> Path:
+    """Write trained weights (`state`: a `DiT` state dict of `args`, e.g. a trainer's EMA) in the shipped on-disk
+    layout; BF16 entries are rounded to bfloat16 as the shipped checkpoint stores them. Returns `out_dir`."""
+    names = {m.name for m in key_maps(args, "original")}
+    missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+    if missing or unexpected:
+        raise CheckpointMismatchError(f"trained state does not match the preset: missing {missing}, "
+                                      f"unexpected {unexpected}", missing, unexpected, [], [])
+    return write_checkpoint(args, out_dir, layout, lambda m, index: state[m.name])

@@ -109,7 +109,16 @@ class PromptBook:
                 cancel.check()
 
     def for_request(self, request_index: int, cancel: CancelToken) -> RequestPrompt:
-        """Choose the prompt of request `request_index`, holding first when configured (never on request 0)."""
+        """Choose the prompt of request `request_index`, holding first when configured (never on request 0).
+
+        Request 0 is always the session's first prompt: an update is for a later boundary, even one that reached
+        the DiT before request 0 began (as an update sent on `video.start` does on a loaded machine).
+        """
+        if request_index == 0 and self._active is None:
+            with self._lock:
+                first = self._pending.pop(0)  # the session's own prompt; later ones stay pending
+            self._active = first
+            return RequestPrompt(first, (first.event_id,), (), 0.0)
         held = 0.0
         if request_index > 0 and self.hold.enabled:
             arrived, held = self._wait_for_update(cancel)

@@ -36,6 +36,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
+from services.common.startup import Steps
 from services.tensors.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 from services.dit.stream.geometry import TEACHER_TAIL_LATENTS, RequestPlan, plan_request, plans_of_every_shape
 from services.dit.model.layout import PackedLayout, pack_layout, pad_prompt
@@ -213,10 +214,10 @@ class AudioTeacher:
         a CUDA graph (CPU: an eager bank), in `placement`. Sharded over a Ulysses group, every rank must call
         this at the same point: the captures run the all-to-alls."""
         audio_shapes = request_audio_shapes() if audio_shapes is None else audio_shapes
-        started = time.perf_counter()
         dev = self.model.condition_proj.weight.device
         bank = CudaGraphBank(dev)
         a = self.model.args
+        captured = Steps(log, f"teacher CUDA graphs ({STEPS} steps each)", len(buckets.sizes) * len(audio_shapes))
         with self._suspended(), self.placement(), torch.no_grad():
             for size in buckets.sizes:
                 text = torch.zeros(size, a.text_dim, device=dev, dtype=self.model.dtype)
@@ -228,10 +229,9 @@ class AudioTeacher:
                                              torch.zeros(2 * (n_tail + num), 3), dev)
                         inputs = self._stage_inputs(layout, [doc, text, layout.positions, valid])
                         bank.capture(_key(inputs, step, n_tail, num), self._step_fn(layout), inputs)
+                    captured.tick(f"{size} text tokens, audio tail {n_tail} + {num}")
         bank.seal()
         self.graphs, self.buckets = bank, buckets
-        log.info("teacher: %d step graphs captured in %.1f s (buckets %s, audio shapes %s)", len(bank),
-                 time.perf_counter() - started, list(buckets.sizes), list(audio_shapes))
 
     def release_graphs(self) -> None:
         """Free the captured steps (before the process group is destroyed: sharded graphs hold its communicator);

@@ -3,22 +3,15 @@
 
 const $ = (id) => document.getElementById(id);
 const PING_INTERVAL_MS = 10000;
-const KEEP_BEHIND_S = 10;   // seconds of played media kept in the SourceBuffer
-const TRIM_AFTER_S = 30;    // trim once this much played media is buffered
-const MAX_LIVE_LAG_S = 6;   // jump forward when playback falls this far behind the live edge
-
 let ws = null;
 let pingTimer = null;
-let mediaSource = null;
-let sourceBuffer = null;
-let appendQueue = [];
+const player = new MsePlayer($("player"), (text) => setStatus(text, "error", true));
 let pendingMeta = null;
 let requestId = null;
 let startedAt = 0;
 let lastChunkAt = 0;
 let chunkCount = 0;
 let updateCount = 0;
-let streamDone = false;
 
 function setStatus(text, state, isError) {
   const el = $("status");
@@ -33,79 +26,13 @@ function setRunning(running) {
   $("update").disabled = !running;
 }
 
-// RFC 6381 codecs string from the init segment: avcC holds profile, compatibility and level bytes.
-function codecsFromInit(bytes) {
-  const find = (a, b, c, d) => {
-    for (let i = 0; i + 3 < bytes.length; i++) {
-      if (bytes[i] === a && bytes[i + 1] === b && bytes[i + 2] === c && bytes[i + 3] === d) return i;
-    }
-    return -1;
-  };
-  const hex = (v) => v.toString(16).toUpperCase().padStart(2, "0");
-  const avcc = find(0x61, 0x76, 0x63, 0x43); // "avcC"
-  let video = "avc1.42E01E";
-  if (avcc >= 0 && avcc + 7 < bytes.length) {
-    video = "avc1." + hex(bytes[avcc + 5]) + hex(bytes[avcc + 6]) + hex(bytes[avcc + 7]);
-  }
-  const hasAudio = find(0x6d, 0x70, 0x34, 0x61) >= 0; // "mp4a"
-  return hasAudio ? `${video}, mp4a.40.2` : video;
-}
-
-function setupMediaSource(initBytes) {
-  const mime = `video/mp4; codecs="${codecsFromInit(initBytes)}"`;
-  if (!window.MediaSource || !MediaSource.isTypeSupported(mime)) {
-    setStatus(`this browser cannot play ${mime}`, "error", true);
-    return;
-  }
-  mediaSource = new MediaSource();
-  const video = $("player");
-  video.src = URL.createObjectURL(mediaSource);
-  mediaSource.addEventListener("sourceopen", () => {
-    sourceBuffer = mediaSource.addSourceBuffer(mime);
-    sourceBuffer.mode = "segments";
-    sourceBuffer.addEventListener("updateend", onUpdateEnd);
-    pumpAppends();
-  }, { once: true });
-}
-
-function pumpAppends() {
-  if (!sourceBuffer || sourceBuffer.updating) return;
-  if (appendQueue.length > 0) {
-    try {
-      sourceBuffer.appendBuffer(appendQueue.shift());
-    } catch (err) {
-      setStatus(`playback error: ${err.message}`, "error", true);
-    }
-    return;
-  }
-  if (streamDone && mediaSource && mediaSource.readyState === "open") mediaSource.endOfStream();
-}
-
-function onUpdateEnd() {
-  const video = $("player");
-  const ranges = sourceBuffer.buffered;
-  if (ranges.length > 0) {
-    const end = ranges.end(ranges.length - 1);
-    if (end - video.currentTime > MAX_LIVE_LAG_S) video.currentTime = end - 1;
-    const start = ranges.start(0);
-    if (video.currentTime - start > TRIM_AFTER_S && appendQueue.length === 0) {
-      sourceBuffer.remove(start, video.currentTime - KEEP_BEHIND_S);
-      return;
-    }
-  }
-  if (video.paused && ranges.length > 0) video.play().catch(() => {});
-  pumpAppends();
-}
-
 function onBinary(buffer) {
   const bytes = new Uint8Array(buffer);
   if (!pendingMeta || pendingMeta.byte_length !== bytes.length) {
     setStatus("protocol error: binary frame without matching metadata", "error", true);
   }
-  if (!mediaSource) setupMediaSource(bytes);
-  appendQueue.push(bytes);
+  player.append(bytes);
   pendingMeta = null;
-  pumpAppends();
 }
 
 function addChunkRow(meta) {
@@ -141,6 +68,7 @@ function onMessage(msg) {
     case "video.start":
       requestId = msg.request_id;
       setStatus(`started ${msg.config.width}x${msg.config.height}`, "started");
+      if (msg.watch_url) showShareLink(msg.request_id);
       break;
     case "session.queued":
       $("queue").hidden = false;
@@ -161,8 +89,7 @@ function onMessage(msg) {
       break;
     case "session.done":
       $("queue").hidden = true;
-      streamDone = true;
-      pumpAppends();
+      player.end();
       setStatus(`done: ${msg.chunks} chunks${msg.stopped ? " (stopped)" : ""}`, "done");
       break;
     case "error":
@@ -175,15 +102,20 @@ function onMessage(msg) {
   }
 }
 
+// The viewers' page of this session (it plays the session's watch websocket).
+function showShareLink(id) {
+  const link = $("share-link");
+  link.href = `${location.origin}/watch/${encodeURIComponent(id)}`;
+  link.textContent = link.href;
+  $("share").hidden = false;
+}
+
 function resetPlayer() {
-  appendQueue = [];
+  player.reset();
   pendingMeta = null;
-  sourceBuffer = null;
-  mediaSource = null;
-  streamDone = false;
   chunkCount = 0;
   $("queue").hidden = true;
-  $("player").removeAttribute("src");
+  $("share").hidden = true;
   $("chunks").querySelector("tbody").replaceChildren();
   $("updates").replaceChildren();
   $("summary").textContent = "";

@@ -1,0 +1,59 @@
+"""The VAE trainer (tools/train/vae.py) on the CPU: a few steps lower the loss, a resumed run continues the step
+count and ends where an unbroken run ends, and the exported weights load through the service's loaders."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from services.vae.checkpoint import load_audio_vae, load_video_vae
+from services.vae.model import AudioDecoder, VideoDecoder
+from tools.train import vae as trainer
+
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
+
+
+def logged(state_dir):
+    return [json.loads(line) for line in (state_dir / "log.jsonl").read_text().splitlines()]
+
+
+def test_video_training_lowers_the_loss_and_exports_weights_the_service_decodes_with(tmp_path):
+    cfg = trainer.RunConfig(kind="video", dims="tiny", batch=1, lr=2e-3, warmup=1, max_steps=5, log_every=1,
+                            workers=0, distinct=1, crop=(32, 32))
+    state = trainer.train(cfg, tmp_path / "state", "cpu")
+    losses = [r["loss"] for r in logged(tmp_path / "state")]
+    assert [r["step"] for r in logged(tmp_path / "state")] == [1, 2, 3, 4, 5]
+    assert losses[-1] < 0.9 * losses[0]
+
+    trainer.export("video", "tiny", state.ema, tmp_path / "root", "cpu", windows=1, crop=(32, 32))
+    vae = load_video_vae(tmp_path / "root")
+    assert len(vae.config.latents_std) == 24 and min(vae.config.latents_std) > 0
+    assert vae.config.latents_std != trainer.build("video", "tiny").config.latents_std  # measured, not the preset's
+    frames = VideoDecoder(vae).decode(torch.randn(7, 24, 2, 2))
+    assert frames.shape == (22, 32, 32, 3) and frames.dtype == torch.uint8
+
+
+def test_a_resumed_audio_run_continues_the_step_count_and_ends_where_an_unbroken_run_ends(tmp_path):
+    cfg = trainer.RunConfig(kind="audio", dims="tiny", batch=1, lr=2e-3, warmup=1, max_steps=4, log_every=1,
+                            workers=0, distinct=2, audio_latents=8)
+    unbroken = trainer.train(cfg, tmp_path / "unbroken", "cpu")
+    trainer.train(replace(cfg, max_steps=2), tmp_path / "resumed", "cpu")
+    resumed = trainer.train(cfg, tmp_path / "resumed", "cpu")
+    assert resumed.step == unbroken.step == 4
+    assert [r["step"] for r in logged(tmp_path / "resumed")] == [1, 2, 3, 4]
+    for (name, a), b in zip(unbroken.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert logged(tmp_path / "resumed")[-1]["loss"] == logged(tmp_path / "unbroken")[-1]["loss"]
+    assert logged(tmp_path / "unbroken")[-1]["loss"] < logged(tmp_path / "unbroken")[0]["loss"]
+
+    trainer.export("audio", "tiny", resumed.ema, tmp_path / "root", "cpu", windows=1)
+    wave = AudioDecoder(load_audio_vae(tmp_path / "root")).decode(torch.randn(2, 3, 32))
+    assert wave.shape == (2, 2400)
+
+
+def test_a_state_of_another_kind_is_refused(tmp_path):
+    cfg = trainer.RunConfig(kind="audio", dims="tiny", batch=1, max_steps=1, workers=0, audio_latents=8)
+    trainer.train(cfg, tmp_path, "cpu")
+    with pytest.raises(ValueError, match="holds a run with {'dims': 'tiny'}"):
+        trainer.train(replace(cfg, dims="trained"), tmp_path, "cpu")

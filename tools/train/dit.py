@@ -1,0 +1,326 @@
+"""Train the tiny DiT base (the teacher) on whole clips of the synthetic world with the MiniMax-H3 flow objective.
+
+    python -m tools.train.dit --vae-root out/trained --encoder-root checkpoints/tiny/MiniMax-H3 \
+        --state /work/train_ckpt/dit --minutes 10 --workers 12 [--export out/trained]
+
+Knows nothing about serving or streaming. One example is one request-0 document as the base model sees it, under
+full attention: the caption's unnormalised layer hidden states from the tiny text encoder (`TextEncoder`, frozen),
+then the left and right audio latents, then the video latents, on the session timeline (`stream.timeline`: text at
+t = 0 .. L-1, media from t = L; 5/3 units per pixel frame, 40 per second). The media latents come from the trained
+VAEs (`tools.train.vae`), posterior means normalised with each checkpoint's own statistics, exactly as the VAE
+service will denormalise them.
+
+Objective (rectified flow, `stream.schedule`'s convention): for clean latents x0 and noise e, x_s = (1 - s) x0 + s e
+and the model, given t = 1 - s, predicts v with x0_hat = x_s + s v, so the target is v = x0 - e. Video and audio
+draw their own s (the model takes a timestep per modality), each u ~ U(0, 1) time-shifted as the sampler's grid
+is, s = k u / (1 + (k - 1) u) with k = 12 for video and 3 for audio; the text rows share the video's t. The loss is
+the mean squared velocity error over the video rows plus that over the audio rows. The model runs at batch 1 (the
+network's packed document has no batch axis): `--accum` examples make one optimizer step.
+
+Resumable like the VAE trainer (`train_state.TrainState`); example i of a run is world seed i.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from services.dit.model.checkpoint import write_trained_checkpoint
+from services.dit.model.layout import pack_layout
+from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
+from services.dit.stream.geometry import Canvas
+from services.dit.stream.runtime import patchify
+from services.dit.stream.schedule import AUDIO_SHIFT, VIDEO_SHIFT
+from services.dit.stream.timeline import UNITS_PER_FRAME, Timeline, frame_grid, latent_frame_offset
+from services.encoder.model import TextEncoder
+from services.vae.checkpoint import load_audio_vae, load_video_vae
+from tools.train import world
+from tools.train.train_state import EMA, TrainState
+from tools.train.vae import HOP, TRAIN_SEED, IndexRange, encode_video, to_model_space
+
+log = logging.getLogger("tools.train.dit")
+
+REQUEST_FRAMES = 124  # request 0: 37 video latents, 207 audio latents a channel
+
+
+def audio_latents(frames: int) -> int:
+    """Audio latents a channel that cover `frames` video frames (124 -> 207)."""
+    return math.ceil(frames * 40 / world.FPS)
+
+
+@dataclass(frozen=True)
+class Clip:
+    """One rendered clip of the world, before any model sees it (what a DataLoader worker makes)."""
+
+    seed: int
+    caption: str
+    frames: torch.Tensor
+    """[F, H, W, 3] uint8."""
+    wave: torch.Tensor
+    """[2, A * HOP] float32 stereo."""
+
+    def pin_memory(self) -> "Clip":
+        """The DataLoader's pinning hook: the same clip in page-locked memory."""
+        return Clip(self.seed, self.caption, self.frames.pin_memory(), self.wave.pin_memory())
+
+
+def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
+    """The clip of world seed `seed`: its scene from a random start frame in the first 10 s (numpy only)."""
+    rng = np.random.default_rng(seed)
+    scene = world.sample_scene(rng)
+    start = int(rng.integers(0, 10 * world.FPS))
+    video = world.render_video(scene, start, frames)
+    wave = world.render_audio(scene, start * world.SAMPLE_RATE // world.FPS, audio_latents(frames) * HOP)
+    return Clip(seed, scene.caption, torch.from_numpy(np.ascontiguousarray(video)), torch.from_numpy(wave))
+
+
+class Clips(Dataset):
+    """Sample i: the clip of seed `base + i` (`base + i % distinct` when only `distinct` clips are used)."""
+
+    def __init__(self, frames: int, base: int = TRAIN_SEED, distinct: int | None = None) -> None:
+        self.frames, self.base, self.distinct = frames, base, distinct
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, i: int) -> Clip:
+        return render_clip(self.base + (i % self.distinct if self.distinct else i), self.frames)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One clip as the DiT sees it."""
+
+    caption: str
+    text: torch.Tensor
+    """[L, text_dim] layer hidden states of the caption."""
+    video: torch.Tensor
+    """[F, 24, h, w] normalised video latents."""
+    audio: torch.Tensor
+    """[2, A, 32] normalised audio latents (left, right)."""
+
+
+class Conditioner:
+    """Clips -> `Example`s: the frozen text encoder and VAE encoders (never trained here).
+
+    The text of each caption is encoded once (the world has 540 captions and the encoder is frozen); with `cache`
+    every example is kept by seed (tests that train on a few clips)."""
+
+    def __init__(self, vae_root: Path, encoder_root: Path, device: torch.device, frames: int = REQUEST_FRAMES,
+                 cache: bool = False) -> None:
+        if frames % 17 != 5:
+            raise ValueError(f"frames={frames}: a clip the video VAE encodes whole has 17k + 5 frames (124, 22, ...)")
+        self.device, self.frames = device, frames
+        self.video_vae = load_video_vae(vae_root, device).requires_grad_(False)
+        self.audio_vae = load_audio_vae(vae_root, device).requires_grad_(False)
+        self.text = TextEncoder.load(encoder_root, "tiny", device, dtype=torch.float32)
+        self._texts: dict[str, torch.Tensor] = {}
+        self._cache: dict[int, Example] | None = {} if cache else None
+
+    def _stats(self, vae, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        kw = dict(device=self.device, dtype=torch.float32)
+        return (torch.tensor(vae.config.latents_mean, **kw).view(shape),
+                torch.tensor(vae.config.latents_std, **kw).view(shape))
+
+    def example(self, seed: int) -> Example:
+        """The example of world seed `seed`."""
+        return self.encode(render_clip(seed, self.frames))
+
+    @torch.no_grad()
+    def encode(self, clip: Clip) -> Example:
+        """The example of a rendered clip."""
+        if self._cache is not None and clip.seed in self._cache:
+            return self._cache[clip.seed]
+        x = to_model_space(clip.frames[None].to(self.device, non_blocking=True))
+        mu, sd = self._stats(self.video_vae, (-1, 1, 1, 1))
+        video = ((encode_video(self.video_vae, x).mean[0].float() - mu) / sd).transpose(0, 1)  # [F, C, h, w]
+        mono = clip.wave.to(self.device, non_blocking=True)[:, None]  # [2, 1, N]
+        mu, sd = self._stats(self.audio_vae, (1, -1, 1))
+        audio = ((self.audio_vae.encode(mono).latent_dist.mean.float() - mu) / sd).transpose(1, 2)  # [2, A, 32]
+        if clip.caption not in self._texts:  # a normal tensor: the encoder runs in inference mode
+            self._texts[clip.caption] = self.text.encode(clip.caption).float().clone()
+        out = Example(clip.caption, self._texts[clip.caption], video.contiguous(), audio.contiguous())
+        if self._cache is not None:
+            self._cache[clip.seed] = out
+        return out
+
+
+def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """The sampler's time shift of a uniform draw: sigma = k u / (1 + (k - 1) u)."""
+    return shift * u / (1.0 + (shift - 1.0) * u)
+
+
+def video_positions(canvas: Canvas, origin: float, num_latents: int) -> torch.Tensor:
+    """[F * rows_per_frame, 3] positions of a request-0 clip's video rows (frame-major, row-major)."""
+    grid, _ = frame_grid(canvas)  # [R, 2] (h, w) of one latent frame
+    times = torch.tensor([origin + float(latent_frame_offset(i) * UNITS_PER_FRAME) for i in range(num_latents)],
+                         dtype=torch.float64)
+    pos = torch.empty(num_latents, grid.shape[0], 3, dtype=torch.float64)
+    pos[:, :, 0] = times[:, None]
+    pos[:, :, 1:] = grid[None]
+    return pos.reshape(-1, 3).float()
+
+
+@dataclass(frozen=True)
+class FlowLoss:
+    total: torch.Tensor
+    video: float
+    audio: float
+
+
+def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | None = None) -> FlowLoss:
+    """The velocity MSE of one example at a random noise level per modality (see the module docstring)."""
+    device = next(model.parameters()).device
+    num_latents, _, lh, lw = ex.video.shape
+    canvas = Canvas(width=lw * 16, height=lh * 16)
+    x0_video = patchify(ex.video.to(device))  # [Tv, 96]
+    x0_audio = ex.audio.to(device).reshape(-1, ex.audio.shape[-1])  # [2A, 32], left rows then right rows
+    sigma_v, sigma_a = (shifted(torch.rand((), generator=generator), k).item() for k in (VIDEO_SHIFT, AUDIO_SHIFT))
+    noise_v = torch.randn(x0_video.shape, generator=generator).to(device)
+    noise_a = torch.randn(x0_audio.shape, generator=generator).to(device)
+    text_len = ex.text.shape[0]
+    timeline = Timeline(canvas, origin=float(text_len))
+    layout = pack_layout(
+        text_len=text_len, audio_len_per_channel=ex.audio.shape[1], video_rows=x0_video.shape[0],
+        positions_text=timeline.text(0, text_len), positions_audio=timeline.audio(0, ex.audio.shape[1]),
+        positions_video=video_positions(canvas, float(text_len), num_latents),
+        video_t=1.0 - sigma_v, audio_t=1.0 - sigma_a).to(device)
+    v_video, v_audio = model((1 - sigma_v) * x0_video + sigma_v * noise_v,
+                             (1 - sigma_a) * x0_audio + sigma_a * noise_a,
+                             ex.text.to(device), layout, FullAttention(layout))
+    loss_v = F.mse_loss(v_video.float(), x0_video - noise_v)
+    loss_a = F.mse_loss(v_audio.float(), x0_audio - noise_a)
+    return FlowLoss(loss_v + loss_a, loss_v.item(), loss_a.item())
+
+
+@dataclass(frozen=True)
+class DiTRunConfig:
+    """One run's settings (saved in the state's meta)."""
+
+    dims: str = "tiny"
+    frames: int = REQUEST_FRAMES
+    accum: int = 4
+    lr: float = 3e-4
+    warmup: int = 200
+    ema_decay: float = 0.999
+    minutes: float = 10.0
+    max_steps: int | None = None
+    save_every: int = 200
+    log_every: int = 10
+    distinct: int | None = None
+    """Train on only this many distinct clips, encoded once (tests: a loss that must fall)."""
+    workers: int = 0
+    """DataLoader processes that render the clips (0: in the training process)."""
+    seed: int = 0
+
+
+def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> TrainState:
+    """Run (or resume) training until `cfg.minutes` or `cfg.max_steps`; save the state; return it."""
+    device = conditioner.device
+    model = build_random(PRESETS[cfg.dims], device, torch.float32, cfg.seed).requires_grad_(True).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    state = TrainState(model, EMA(model, cfg.ema_decay), optimizer)
+    torch.manual_seed(cfg.seed)
+    state.load(state_dir, expect=dict(dims=cfg.dims, frames=cfg.frames))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    clips = iter(DataLoader(Clips(cfg.frames, TRAIN_SEED, cfg.distinct), batch_size=None,
+                            sampler=IndexRange(state.step * cfg.accum), num_workers=cfg.workers,
+                            pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
+                            generator=torch.Generator()))  # its own: iterating must not draw from the resumed RNG
+    started, seconds_before, window = time.monotonic(), state.seconds, []
+    while True:
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (state.step + 1) / cfg.warmup)
+        optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for _ in range(cfg.accum):
+            loss = flow_matching_loss(model, conditioner.encode(next(clips)))
+            (loss.total / cfg.accum).backward()
+            parts.append((loss.video, loss.audio))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        optimizer.step()
+        state.step += 1
+        state.ema.update(model, state.step)
+        elapsed = time.monotonic() - started
+        state.seconds = seconds_before + elapsed
+        window.extend(parts)
+        if state.step % cfg.log_every == 0:
+            video, audio = np.mean(window, axis=0)
+            record = dict(step=state.step, video=float(video), audio=float(audio), grad_norm=grad_norm,
+                          lr=optimizer.param_groups[0]["lr"], seconds=round(state.seconds, 1))
+            with (state_dir / "log.jsonl").open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            log.info("dit step %d video %.4f audio %.4f", state.step, video, audio)
+            window.clear()
+        done = elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+        if done or state.step % cfg.save_every == 0:
+            state.save(state_dir, dict(vars(cfg)))
+        if done:
+            return state
+
+
+def export(state: TrainState, dims: str, out: Path) -> Path:
+    """Write the EMA weights of `state` to `out/FL2VA/transformer` in the shipped (original) layout, which
+    `services.dit.model.checkpoint.load_dit` loads; returns that directory."""
+    return write_trained_checkpoint(PRESETS[dims], state.ema.shadow, out / "FL2VA" / "transformer")
+
+
+def export_saved(state_dir: Path, dims: str, out: Path) -> Path:
+    """`export` of the state saved in `state_dir`, without training (the GPU call returns states, not weights)."""
+    model = build_random(PRESETS[dims], "cpu", torch.float32, 0)
+    state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(model.parameters()))
+    if state.load(state_dir, expect=dict(dims=dims)) is None:
+        raise FileNotFoundError(f"no saved state in {state_dir}")
+    return export(state, dims, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vae-root", type=Path, help="MiniMax-H3 root with the trained vae/, audio_vae/")
+    parser.add_argument("--encoder-root", type=Path, help="MiniMax-H3 root with text_encoder/, tokenizer/")
+    parser.add_argument("--state", required=True, type=Path)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dims", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--frames", type=int, default=REQUEST_FRAMES)
+    parser.add_argument("--accum", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--save-every", type=int, default=200)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--distinct", type=int)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader processes that render the clips")
+    parser.add_argument("--export", type=Path, help="write the EMA weights to EXPORT/FL2VA/transformer at the end")
+    parser.add_argument("--export-only", action="store_true", help="export the saved state without training")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.export_only:
+        if args.export is None:
+            parser.error("--export-only needs --export")
+        export_saved(args.state, args.dims, args.export)
+        return
+    if args.vae_root is None or args.encoder_root is None:
+        parser.error("training needs --vae-root and --encoder-root")
+    torch.set_float32_matmul_precision("high")  # TF32 on CUDA; the bf16 path would take the serving Triton kernels
+    cfg = DiTRunConfig(dims=args.dims, frames=args.frames, accum=args.accum, lr=args.lr, warmup=args.warmup,
+                       minutes=args.minutes, max_steps=args.max_steps, save_every=args.save_every,
+                       log_every=args.log_every, distinct=args.distinct, workers=args.workers)
+    conditioner = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), args.frames,
+                              cache=args.distinct is not None)
+    state = train(cfg, conditioner, args.state)
+    if args.export is not None:
+        export(state, cfg.dims, args.export)
+
+
+if __name__ == "__main__":
+    main()
