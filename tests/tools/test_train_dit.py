@@ -1,6 +1,7 @@
-"""The DiT base trainer (tools/train/dit.py) on the CPU: a whole-clip document of the right shape, a few steps that
-lower the flow-matching loss on one clip, a resumed run that continues the step count, and an exported state that
-loads through the service's `load_dit` with the trainer's forward."""
+"""The DiT base trainer (tools/train/dit.py) on the CPU: a whole-clip document of the right shape, audio teacher
+documents laid out as the served teacher lays them out, a few steps that lower the flow-matching loss on one clip
+and on one teacher document, a resumed run equal to an unbroken one, and an exported state that loads through the
+service's `load_dit` with the trainer's forward."""
 
 from dataclasses import replace
 
@@ -10,6 +11,11 @@ import torch
 
 from services.dit.model.checkpoint import load_dit
 from services.dit.model.network import PRESETS, build_random, is_fp32_param
+from services.dit.stream.geometry import TEACHER_TAIL_LATENTS, Canvas, plan_request
+from services.dit.stream.schedule import TEACHER_GRID, TEACHER_SIGMAS
+from services.dit.stream.session import CancelToken
+from services.dit.stream.teacher import AudioTeacher, request_audio_shapes
+from services.dit.stream.timeline import Timeline
 from services.encoder.checkpoint import write_random_checkpoint as write_encoder
 from services.vae.checkpoint import write_random_checkpoint as write_vaes
 from tools.train import dit as trainer
@@ -40,7 +46,8 @@ def test_the_noise_levels_follow_the_samplers_shifts():
 
 
 def test_training_lowers_the_loss_on_one_clip_and_a_resumed_run_continues(conditioner, tmp_path):
-    cfg = trainer.DiTRunConfig(frames=22, accum=1, lr=2e-3, warmup=1, max_steps=30, log_every=10, distinct=1)
+    cfg = trainer.DiTRunConfig(frames=22, accum=1, lr=2e-3, warmup=1, max_steps=30, log_every=10, distinct=1,
+                               teacher_docs=0.0)
     trainer.train(replace(cfg, max_steps=20), conditioner, tmp_path)
     state = trainer.train(cfg, conditioner, tmp_path)
     assert state.step == 30
@@ -48,6 +55,98 @@ def test_training_lowers_the_loss_on_one_clip_and_a_resumed_run_continues(condit
     assert [r["step"] for r in records] == [10, 20, 30]
     first, last = records[0], records[-1]
     assert last["video"] + last["audio"] < 0.8 * (first["video"] + first["audio"])
+
+
+def _row_t(layout):
+    return layout.timesteps[layout.timestep_slot].tolist()
+
+
+@pytest.mark.parametrize("request_index", [0, *trainer.TEACHER_LATER_REQUESTS])
+def test_a_teacher_document_is_laid_out_as_the_served_teacher_lays_it_out(conditioner, request_index):
+    ex = conditioner.teacher_example(7, request_index)
+    plan, n_tail, text_len = plan_request(request_index), ex.n_tail, ex.text.shape[0]
+    assert (n_tail, ex.audio.shape[1] - n_tail) in request_audio_shapes()
+    assert n_tail == (0 if request_index == 0 else TEACHER_TAIL_LATENTS)
+
+    # the served teacher on the same text, request and tail: the layout of each of its forwards
+    model = build_random(PRESETS["tiny"], "cpu", torch.float32, 0)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda _, args: seen.append((args[1].clone(), args[3])))
+    timeline = Timeline(Canvas(width=320, height=192), origin=float(text_len))  # the session's: origin = L
+    tail = ex.audio[:, :n_tail] if n_tail else None
+    AudioTeacher(model, None).run(ex.text, plan, timeline, torch.randn(2, plan.num_audio_latents, 32), tail,
+                                  CancelToken())
+    assert len(seen) == len(TEACHER_SIGMAS) - 1
+    grid = torch.linspace(1.0, 0.0, TEACHER_GRID)  # the u of each teacher state
+    for step, (_, served) in enumerate(seen):
+        ours, sigma = trainer.teacher_layout(text_len, request_index, float(grid[step]))
+        assert sigma == pytest.approx(TEACHER_SIGMAS[step], abs=1e-6)
+        assert (ours.seq_len, ours.text_len, ours.audio_len, ours.video_len) == \
+            (served.seq_len, served.text_len, served.audio_len, served.video_len) == \
+            (served.seq_len, text_len, n_tail + plan.num_audio_latents, 0)
+        assert torch.equal(ours.positions, served.positions) and torch.equal(ours.tags, served.tags)
+        assert _row_t(ours) == pytest.approx(_row_t(served), abs=1e-6)
+
+    # the trainer's forward: the served tail rows, clean at t = 1, then the new rows at one noise level
+    seen.clear()
+    trainer.teacher_loss(model, ex)
+    hook.remove()
+    rows, layout = seen[0]
+    rows, row_t = rows.reshape(2, -1, 32), torch.tensor(_row_t(layout))[layout.audio_index].reshape(2, -1)
+    assert torch.equal(rows[:, :n_tail], ex.audio[:, :n_tail]) and (row_t[:, :n_tail] == 1).all()
+    assert not torch.equal(rows[:, n_tail:], ex.audio[:, n_tail:]) and (row_t[:, n_tail:] == row_t[0, -1]).all()
+
+
+def test_a_later_requests_tail_is_the_previous_requests_last_second_of_the_same_scene():
+    hop, tail = trainer.HOP, TEACHER_TAIL_LATENTS * trainer.HOP
+    docs = [trainer.render_teacher_clip(3, k) for k in range(3)]
+    # a moving shape pans its sound: no second of it repeats the one before (a still or bouncing one's would)
+    assert len({d.caption for d in docs}) == 1 and "moving right" in docs[0].caption
+    assert [d.wave.shape[1] // hop for d in docs] == [207, 40 + 198, 40 + 198]
+    for before, after in zip(docs, docs[1:]):
+        assert torch.allclose(after.wave[:, :tail], before.wave[:, -tail:], atol=1e-6)
+        assert not torch.allclose(after.wave[:, :tail], before.wave[:, -2 * tail:-tail], atol=1e-3)
+
+
+def test_the_teacher_document_fraction_splits_the_seeds_and_leaves_each_clip_as_it_was():
+    requests = [trainer.teacher_request(seed, 0.5) for seed in range(400)]
+    teacher = [r for r in requests if r is not None]
+    assert 0.4 < len(teacher) / 400 < 0.6 and 0.4 < teacher.count(0) / len(teacher) < 0.6
+    assert set(teacher) == {0, *trainer.TEACHER_LATER_REQUESTS}
+    assert all(trainer.teacher_request(seed, 0.0) is None for seed in range(50))
+    assert all(trainer.teacher_request(seed, 1.0) is not None for seed in range(50))
+    seed = requests.index(None)
+    mixed, alone = trainer.render_example(seed, 22, 0.5), trainer.render_clip(seed, 22)
+    assert torch.equal(mixed.frames, alone.frames) and torch.equal(mixed.wave, alone.wave)
+
+
+def test_training_lowers_the_loss_on_one_teacher_document(conditioner, tmp_path):
+    cfg = trainer.DiTRunConfig(frames=22, accum=1, lr=2e-3, warmup=1, max_steps=30, log_every=10, distinct=1,
+                               teacher_docs=1.0)
+    trainer.train(cfg, conditioner, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30]
+    assert all(r["video"] is None and r["audio"] is None for r in records)
+    assert records[-1]["teacher"] < 0.8 * records[0]["teacher"]
+
+
+def test_a_resumed_run_of_clips_and_teacher_documents_equals_an_unbroken_one(conditioner, tmp_path):
+    cfg = trainer.DiTRunConfig(frames=22, accum=2, lr=2e-3, warmup=1, max_steps=4, log_every=1, teacher_docs=0.5)
+    kinds = [trainer.teacher_request(seed, 0.5) for seed in range(8)]
+    assert None in kinds and 0 in kinds and set(kinds) & set(trainer.TEACHER_LATER_REQUESTS)
+    trainer.train(replace(cfg, max_steps=2), conditioner, tmp_path / "broken")
+    broken = trainer.train(cfg, conditioner, tmp_path / "broken")
+    unbroken = trainer.train(cfg, conditioner, tmp_path / "unbroken")
+    assert broken.step == unbroken.step == 4
+    for (name, a), b in zip(broken.model.state_dict().items(), unbroken.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    def losses(run):
+        return [{k: r[k] for k in ("step", "video", "audio", "teacher")}
+                for r in map(json.loads, (tmp_path / run / "log.jsonl").read_text().splitlines())]
+    assert losses("broken") == losses("unbroken")
+    assert any(r["teacher"] is not None for r in losses("unbroken"))
+    assert any(r["video"] is not None for r in losses("unbroken"))
 
 
 def test_an_exported_state_loads_through_load_dit_with_the_trainers_forward(conditioner, tmp_path):

@@ -1,21 +1,32 @@
 """Train the tiny DiT base (the teacher) on whole clips of the synthetic world with the MiniMax-H3 flow objective.
 
     python -m tools.train.dit --vae-root out/trained --encoder-root checkpoints/tiny/MiniMax-H3 \
-        --state /work/train_ckpt/dit --minutes 10 --workers 12 [--export out/trained]
+        --state /work/train_ckpt/dit --minutes 10 --workers 12 [--teacher-docs 0.5] [--export out/trained]
 
-Knows nothing about serving or streaming. One example is one request-0 document as the base model sees it, under
-full attention: the caption's unnormalised layer hidden states from the tiny text encoder (`TextEncoder`, frozen),
-then the left and right audio latents, then the video latents, on the session timeline (`stream.timeline`: text at
-t = 0 .. L-1, media from t = L; 5/3 units per pixel frame, 40 per second). The media latents come from the trained
-VAEs (`tools.train.vae`), posterior means normalised with each checkpoint's own statistics, exactly as the VAE
-service will denormalise them.
+Knows nothing about serving or streaming. An example is one of two documents the base model meets, under full
+attention, both opening with the caption's unnormalised layer hidden states from the tiny text encoder
+(`TextEncoder`, frozen):
+
+- a request-0 clip: then the left and right audio latents, then the video latents, on the session timeline
+  (`stream.timeline`: text at t = 0 .. L-1, media from t = L; 5/3 units per pixel frame, 40 per second);
+- an audio teacher document (`--teacher-docs`, a fraction of the examples), as `stream.teacher` builds one for
+  each request from text alone: [text | audio-L: tail, new | audio-R: tail, new], no video rows, at the positions
+  `Timeline.teacher` gives. Half are request 0's (no tail, 207 new latents a channel), half a later request's
+  (request 1 .. 4, every (previous, new) pair of audio counts a session meets: the 40-latent clean tail of the
+  same scene's audio just before, then 198 or 199 new latents).
+
+The media latents come from the trained VAEs (`tools.train.vae`), posterior means normalised with each
+checkpoint's own statistics, exactly as the VAE service will denormalise them.
 
 Objective (rectified flow, `stream.schedule`'s convention): for clean latents x0 and noise e, x_s = (1 - s) x0 + s e
-and the model, given t = 1 - s, predicts v with x0_hat = x_s + s v, so the target is v = x0 - e. Video and audio
-draw their own s (the model takes a timestep per modality), each u ~ U(0, 1) time-shifted as the sampler's grid
-is, s = k u / (1 + (k - 1) u) with k = 12 for video and 3 for audio; the text rows share the video's t. The loss is
-the mean squared velocity error over the video rows plus that over the audio rows. The model runs at batch 1 (the
-network's packed document has no batch axis): `--accum` examples make one optimizer step.
+and the model, given t = 1 - s, predicts v with x0_hat = x_s + s v, so the target is v = x0 - e. Noise levels are
+uniform draws u ~ U(0, 1) time-shifted as the sampler's grids are, s = k u / (1 + (k - 1) u). In a clip, video
+(k = 12) and audio (k = 3) draw their own u and the text rows share the video's t; the loss is the mean squared
+velocity error over the video rows plus that over the audio rows. In a teacher document one u gives the new audio
+rows s = shift3(u) and the text rows s = shift12(u), the teacher's paired grids (`TEACHER_SIGMAS`,
+`TEACHER_TEXT_SIGMAS`: one grid index, two shifts) made continuous; the tail rows stay clean at t = 1, and the
+loss is the velocity error over the new rows only. The model runs at batch 1 (the network's packed document has no
+batch axis): `--accum` examples, of either kind, make one optimizer step.
 
 Resumable like the VAE trainer (`train_state.TrainState`); example i of a run is world seed i.
 """
@@ -35,11 +46,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from services.dit.model.checkpoint import write_trained_checkpoint
-from services.dit.model.layout import pack_layout
+from services.dit.model.layout import PackedLayout, pack_layout
 from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
-from services.dit.stream.geometry import Canvas
+from services.dit.stream.geometry import TEACHER_TAIL_LATENTS, Canvas, plan_request, plans_of_every_shape
 from services.dit.stream.runtime import patchify
-from services.dit.stream.schedule import AUDIO_SHIFT, VIDEO_SHIFT
+from services.dit.stream.schedule import AUDIO_SHIFT, TEACHER_SHIFT, VIDEO_SHIFT, model_t
 from services.dit.stream.timeline import UNITS_PER_FRAME, Timeline, frame_grid, latent_frame_offset
 from services.encoder.model import TextEncoder
 from services.vae.checkpoint import load_audio_vae, load_video_vae
@@ -50,6 +61,10 @@ from tools.train.vae import HOP, TRAIN_SEED, IndexRange, encode_video, to_model_
 log = logging.getLogger("tools.train.dit")
 
 REQUEST_FRAMES = 124  # request 0: 37 video latents, 207 audio latents a channel
+WORLD_CANVAS = Canvas(width=world.WIDTH, height=world.HEIGHT)
+TEACHER_LATER_REQUESTS = tuple(range(1, len(plans_of_every_shape()) + 1))
+"""The later requests a teacher document takes the shape of: request 1 (after request 0's 207 latents) and one
+period of the 198/199 cycle after it, so every (previous, new) pair of audio latent counts of a session."""
 
 
 def audio_latents(frames: int) -> int:
@@ -73,27 +88,93 @@ class Clip:
         return Clip(self.seed, self.caption, self.frames.pin_memory(), self.wave.pin_memory())
 
 
-def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
-    """The clip of world seed `seed`: its scene from a random start frame in the first 10 s (numpy only)."""
+@dataclass(frozen=True)
+class TeacherClip:
+    """One rendered audio teacher document of the world: the caption and the audio of request `request_index`."""
+
+    seed: int
+    caption: str
+    request_index: int
+    wave: torch.Tensor
+    """[2, (n_tail + A) * HOP] float32 stereo: the tail's audio, then the new latents'."""
+
+    def pin_memory(self) -> "TeacherClip":
+        """The DataLoader's pinning hook: the same clip in page-locked memory."""
+        return TeacherClip(self.seed, self.caption, self.request_index, self.wave.pin_memory())
+
+
+def tail_latents(request_index: int) -> int:
+    """Clean tail latents a channel of request `request_index`'s teacher document (request 0 has none)."""
+    return 0 if request_index == 0 else TEACHER_TAIL_LATENTS
+
+
+def _draw(seed: int, teacher_docs: float) -> tuple[world.Scene, int, int | None]:
+    """Scene, start frame and, for a teacher document, its request index (None: a clip) of world seed `seed`."""
     rng = np.random.default_rng(seed)
     scene = world.sample_scene(rng)
     start = int(rng.integers(0, 10 * world.FPS))
+    if rng.random() >= teacher_docs:
+        return scene, start, None
+    request = 0 if rng.random() < 0.5 else int(rng.choice(TEACHER_LATER_REQUESTS))
+    return scene, start, request
+
+
+def teacher_request(seed: int, teacher_docs: float) -> int | None:
+    """The request whose teacher document world seed `seed` is at this fraction of teacher documents (None: a
+    clip); what `render_example` renders, without rendering."""
+    return _draw(seed, teacher_docs)[2]
+
+
+def _render_clip(seed: int, scene: world.Scene, start: int, frames: int) -> Clip:
     video = world.render_video(scene, start, frames)
     wave = world.render_audio(scene, start * world.SAMPLE_RATE // world.FPS, audio_latents(frames) * HOP)
     return Clip(seed, scene.caption, torch.from_numpy(np.ascontiguousarray(video)), torch.from_numpy(wave))
 
 
-class Clips(Dataset):
-    """Sample i: the clip of seed `base + i` (`base + i % distinct` when only `distinct` clips are used)."""
+def _render_teacher(seed: int, scene: world.Scene, start: int, request_index: int) -> TeacherClip:
+    """The scene's audio from its start frame as a session's request `request_index` meets it: its tail latents and
+    its new ones (every window of the world is closed-form, so a later request is a later start)."""
+    plan, n_tail = plan_request(request_index), tail_latents(request_index)
+    first = start * world.SAMPLE_RATE // world.FPS + (plan.audio_start - n_tail) * HOP
+    wave = world.render_audio(scene, first, (n_tail + plan.num_audio_latents) * HOP)
+    return TeacherClip(seed, scene.caption, request_index, torch.from_numpy(wave))
 
-    def __init__(self, frames: int, base: int = TRAIN_SEED, distinct: int | None = None) -> None:
-        self.frames, self.base, self.distinct = frames, base, distinct
+
+def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float = 0.0) -> Clip | TeacherClip:
+    """What world seed `seed` renders to (numpy only): its scene from a random start frame in the first 10 s, as a
+    clip of `frames` frames or, for a `teacher_docs` fraction of the seeds, as an audio teacher document. A seed's
+    clip is the same whatever the fraction."""
+    scene, start, request = _draw(seed, teacher_docs)
+    if request is None:
+        return _render_clip(seed, scene, start, frames)
+    return _render_teacher(seed, scene, start, request)
+
+
+def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
+    """The clip of world seed `seed`: its scene from a random start frame in the first 10 s (numpy only)."""
+    scene, start, _ = _draw(seed, 0.0)
+    return _render_clip(seed, scene, start, frames)
+
+
+def render_teacher_clip(seed: int, request_index: int) -> TeacherClip:
+    """Request `request_index`'s audio teacher document of world seed `seed`'s scene from its start frame."""
+    scene, start, _ = _draw(seed, 0.0)
+    return _render_teacher(seed, scene, start, request_index)
+
+
+class Clips(Dataset):
+    """Sample i: what seed `base + i` renders to (`base + i % distinct` when only `distinct` seeds are used), a
+    teacher document for a `teacher_docs` fraction of the seeds."""
+
+    def __init__(self, frames: int, base: int = TRAIN_SEED, distinct: int | None = None,
+                 teacher_docs: float = 0.0) -> None:
+        self.frames, self.base, self.distinct, self.teacher_docs = frames, base, distinct, teacher_docs
 
     def __len__(self) -> int:
         return 1 << 40
 
-    def __getitem__(self, i: int) -> Clip:
-        return render_clip(self.base + (i % self.distinct if self.distinct else i), self.frames)
+    def __getitem__(self, i: int) -> Clip | TeacherClip:
+        return render_example(self.base + (i % self.distinct if self.distinct else i), self.frames, self.teacher_docs)
 
 
 @dataclass(frozen=True)
@@ -109,11 +190,27 @@ class Example:
     """[2, A, 32] normalised audio latents (left, right)."""
 
 
+@dataclass(frozen=True)
+class TeacherExample:
+    """One audio teacher document as the DiT sees it."""
+
+    caption: str
+    text: torch.Tensor
+    """[L, text_dim] layer hidden states of the caption."""
+    request_index: int
+    audio: torch.Tensor
+    """[2, n_tail + A, 32] normalised audio latents (left, right): the clean tail, then the new latents."""
+
+    @property
+    def n_tail(self) -> int:
+        return tail_latents(self.request_index)
+
+
 class Conditioner:
     """Clips -> `Example`s: the frozen text encoder and VAE encoders (never trained here).
 
     The text of each caption is encoded once (the world has 540 captions and the encoder is frozen); with `cache`
-    every example is kept by seed (tests that train on a few clips)."""
+    every example is kept by seed and kind (tests that train on a few clips)."""
 
     def __init__(self, vae_root: Path, encoder_root: Path, device: torch.device, frames: int = REQUEST_FRAMES,
                  cache: bool = False) -> None:
@@ -124,7 +221,7 @@ class Conditioner:
         self.audio_vae = load_audio_vae(vae_root, device).requires_grad_(False)
         self.text = TextEncoder.load(encoder_root, "tiny", device, dtype=torch.float32)
         self._texts: dict[str, torch.Tensor] = {}
-        self._cache: dict[int, Example] | None = {} if cache else None
+        self._cache: dict[tuple[int, int | None], Example | TeacherExample] | None = {} if cache else None
 
     def _stats(self, vae, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         kw = dict(device=self.device, dtype=torch.float32)
@@ -135,23 +232,37 @@ class Conditioner:
         """The example of world seed `seed`."""
         return self.encode(render_clip(seed, self.frames))
 
+    def teacher_example(self, seed: int, request_index: int) -> TeacherExample:
+        """Request `request_index`'s audio teacher document of world seed `seed`."""
+        return self.encode(render_teacher_clip(seed, request_index))
+
     @torch.no_grad()
-    def encode(self, clip: Clip) -> Example:
-        """The example of a rendered clip."""
-        if self._cache is not None and clip.seed in self._cache:
-            return self._cache[clip.seed]
-        x = to_model_space(clip.frames[None].to(self.device, non_blocking=True))
-        mu, sd = self._stats(self.video_vae, (-1, 1, 1, 1))
-        video = ((encode_video(self.video_vae, x).mean[0].float() - mu) / sd).transpose(0, 1)  # [F, C, h, w]
-        mono = clip.wave.to(self.device, non_blocking=True)[:, None]  # [2, 1, N]
-        mu, sd = self._stats(self.audio_vae, (1, -1, 1))
-        audio = ((self.audio_vae.encode(mono).latent_dist.mean.float() - mu) / sd).transpose(1, 2)  # [2, A, 32]
-        if clip.caption not in self._texts:  # a normal tensor: the encoder runs in inference mode
-            self._texts[clip.caption] = self.text.encode(clip.caption).float().clone()
-        out = Example(clip.caption, self._texts[clip.caption], video.contiguous(), audio.contiguous())
+    def encode(self, clip: Clip | TeacherClip) -> Example | TeacherExample:
+        """The example of a rendered clip or teacher document."""
+        key = (clip.seed, clip.request_index if isinstance(clip, TeacherClip) else None)
+        if self._cache is not None and key in self._cache:
+            return self._cache[key]
+        if isinstance(clip, TeacherClip):
+            out = TeacherExample(clip.caption, self._text(clip.caption), clip.request_index, self._audio(clip.wave))
+        else:
+            x = to_model_space(clip.frames[None].to(self.device, non_blocking=True))
+            mu, sd = self._stats(self.video_vae, (-1, 1, 1, 1))
+            video = ((encode_video(self.video_vae, x).mean[0].float() - mu) / sd).transpose(0, 1)  # [F, C, h, w]
+            out = Example(clip.caption, self._text(clip.caption), video.contiguous(), self._audio(clip.wave))
         if self._cache is not None:
-            self._cache[clip.seed] = out
+            self._cache[key] = out
         return out
+
+    def _audio(self, wave: torch.Tensor) -> torch.Tensor:
+        """[2, A, 32] normalised audio latents of a stereo wave `[2, A * HOP]`."""
+        mono = wave.to(self.device, non_blocking=True)[:, None]  # [2, 1, N]
+        mu, sd = self._stats(self.audio_vae, (1, -1, 1))
+        return ((self.audio_vae.encode(mono).latent_dist.mean.float() - mu) / sd).transpose(1, 2).contiguous()
+
+    def _text(self, caption: str) -> torch.Tensor:
+        if caption not in self._texts:  # a normal tensor: the encoder runs in inference mode
+            self._texts[caption] = self.text.encode(caption).float().clone()
+        return self._texts[caption]
 
 
 def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -170,11 +281,17 @@ def video_positions(canvas: Canvas, origin: float, num_latents: int) -> torch.Te
     return pos.reshape(-1, 3).float()
 
 
+LOSS_PARTS = ("video", "audio", "teacher")
+
+
 @dataclass(frozen=True)
 class FlowLoss:
+    """One example's loss and its parts: video and audio for a clip, teacher for a teacher document."""
+
     total: torch.Tensor
-    video: float
-    audio: float
+    video: float | None = None
+    audio: float | None = None
+    teacher: float | None = None
 
 
 def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | None = None) -> FlowLoss:
@@ -202,6 +319,45 @@ def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | Non
     return FlowLoss(loss_v + loss_a, loss_v.item(), loss_a.item())
 
 
+def teacher_layout(text_len: int, request_index: int, u: float) -> tuple[PackedLayout, float]:
+    """The layout of request `request_index`'s teacher document at the uniform draw `u`, and its audio sigma.
+
+    Positions are `Timeline.teacher`'s, as the served teacher's; the tail rows sit at t = 1, the new rows at the
+    audio t = 1 - shift3(u) and the text at the video clock's t = 1 - shift12(u): at u on the teacher's 10-point
+    linspace, exactly the layout of that teacher step (`stream.teacher.step_layout`)."""
+    plan, n_tail = plan_request(request_index), tail_latents(request_index)
+    sigma, text_sigma = shifted(u, TEACHER_SHIFT), shifted(u, VIDEO_SHIFT)
+    pos_text, pos_audio = Timeline(WORLD_CANVAS, 0.0).teacher(plan, text_len, n_tail)
+    t, text_t = model_t(sigma), model_t(text_sigma)
+    layout = pack_layout(text_len=text_len, audio_len_per_channel=n_tail + plan.num_audio_latents, video_rows=0,
+                         positions_text=pos_text, positions_audio=pos_audio, positions_video=torch.zeros(0, 3),
+                         video_t=text_t, text_t=text_t,
+                         audio_timesteps=([1.0] * n_tail + [t] * plan.num_audio_latents) * 2)
+    return layout, sigma
+
+
+def teacher_loss(model: DiT, ex: TeacherExample, generator: torch.Generator | None = None) -> FlowLoss:
+    """The velocity MSE over the new audio rows of one teacher document at a random noise level (the tail rows are
+    clean, at t = 1, and outside the loss)."""
+    device = next(model.parameters()).device
+    u = torch.rand((), generator=generator).item()
+    layout, sigma = teacher_layout(ex.text.shape[0], ex.request_index, u)
+    layout = layout.to(device)
+    x0 = ex.audio.to(device)  # [2, n_tail + A, 32]
+    tail, new = x0[:, :ex.n_tail], x0[:, ex.n_tail:]
+    noise = torch.randn(new.shape, generator=generator).to(device)
+    rows = torch.cat([tail, (1 - sigma) * new + sigma * noise], dim=1).reshape(-1, x0.shape[-1])  # L rows, R rows
+    video = torch.zeros(0, model.args.video_row_dim, device=device)
+    _, v_audio = model(video, rows, ex.text.to(device), layout, FullAttention(layout))
+    loss = F.mse_loss(v_audio.float().reshape(x0.shape)[:, ex.n_tail:], new - noise)
+    return FlowLoss(loss, teacher=loss.item())
+
+
+def example_loss(model: DiT, ex: Example | TeacherExample) -> FlowLoss:
+    """The loss of an example of either kind."""
+    return teacher_loss(model, ex) if isinstance(ex, TeacherExample) else flow_matching_loss(model, ex)
+
+
 @dataclass(frozen=True)
 class DiTRunConfig:
     """One run's settings (saved in the state's meta)."""
@@ -220,7 +376,13 @@ class DiTRunConfig:
     """Train on only this many distinct clips, encoded once (tests: a loss that must fall)."""
     workers: int = 0
     """DataLoader processes that render the clips (0: in the training process)."""
+    teacher_docs: float = 0.5
+    """Fraction of the examples that are audio teacher documents instead of clips."""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.teacher_docs <= 1.0:
+            raise ValueError(f"teacher_docs={self.teacher_docs} is a fraction of the examples, in [0, 1]")
 
 
 def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> TrainState:
@@ -232,7 +394,7 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
     torch.manual_seed(cfg.seed)
     state.load(state_dir, expect=dict(dims=cfg.dims, frames=cfg.frames))
     state_dir.mkdir(parents=True, exist_ok=True)
-    clips = iter(DataLoader(Clips(cfg.frames, TRAIN_SEED, cfg.distinct), batch_size=None,
+    clips = iter(DataLoader(Clips(cfg.frames, TRAIN_SEED, cfg.distinct, cfg.teacher_docs), batch_size=None,
                             sampler=IndexRange(state.step * cfg.accum), num_workers=cfg.workers,
                             pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
                             generator=torch.Generator()))  # its own: iterating must not draw from the resumed RNG
@@ -243,9 +405,9 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
         optimizer.zero_grad(set_to_none=True)
         parts = []
         for _ in range(cfg.accum):
-            loss = flow_matching_loss(model, conditioner.encode(next(clips)))
+            loss = example_loss(model, conditioner.encode(next(clips)))
             (loss.total / cfg.accum).backward()
-            parts.append((loss.video, loss.audio))
+            parts.append({part: getattr(loss, part) for part in LOSS_PARTS})  # floats: no graph kept
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         optimizer.step()
         state.step += 1
@@ -254,18 +416,28 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
         state.seconds = seconds_before + elapsed
         window.extend(parts)
         if state.step % cfg.log_every == 0:
-            video, audio = np.mean(window, axis=0)
-            record = dict(step=state.step, video=float(video), audio=float(audio), grad_norm=grad_norm,
-                          lr=optimizer.param_groups[0]["lr"], seconds=round(state.seconds, 1))
+            means = _window_means(window)
+            record = dict(step=state.step, **means, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"],
+                          seconds=round(state.seconds, 1))
             with (state_dir / "log.jsonl").open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
-            log.info("dit step %d video %.4f audio %.4f", state.step, video, audio)
+            log.info("dit step %d %s", state.step,
+                     " ".join(f"{k} {'-' if v is None else f'{v:.4f}'}" for k, v in means.items()))
             window.clear()
         done = elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
         if done:
             return state
+
+
+def _window_means(window: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each loss part's mean over the logged window's examples that have it (None: none of that kind)."""
+    means: dict[str, float | None] = {}
+    for part in LOSS_PARTS:
+        values = [parts[part] for parts in window if parts[part] is not None]
+        means[part] = float(np.mean(values)) if values else None
+    return means
 
 
 def export(state: TrainState, dims: str, out: Path) -> Path:
@@ -300,6 +472,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--distinct", type=int)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader processes that render the clips")
+    parser.add_argument("--teacher-docs", type=float, default=0.5, metavar="P",
+                        help="fraction of the examples that are audio teacher documents (default 0.5)")
     parser.add_argument("--export", type=Path, help="write the EMA weights to EXPORT/FL2VA/transformer at the end")
     parser.add_argument("--export-only", action="store_true", help="export the saved state without training")
     args = parser.parse_args(argv)
@@ -314,7 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_float32_matmul_precision("high")  # TF32 on CUDA; the bf16 path would take the serving Triton kernels
     cfg = DiTRunConfig(dims=args.dims, frames=args.frames, accum=args.accum, lr=args.lr, warmup=args.warmup,
                        minutes=args.minutes, max_steps=args.max_steps, save_every=args.save_every,
-                       log_every=args.log_every, distinct=args.distinct, workers=args.workers)
+                       log_every=args.log_every, distinct=args.distinct, workers=args.workers,
+                       teacher_docs=args.teacher_docs)
     conditioner = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), args.frames,
                               cache=args.distinct is not None)
     state = train(cfg, conditioner, args.state)
