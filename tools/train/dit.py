@@ -1,4 +1,4 @@
-"""Train the tiny DiT base (the teacher) on whole clips of the synthetic world with the MiniMax-H3 flow objective.
+"""Train the tiny DiT base (the teacher) on the synthetic world's clips and audio teacher documents (flow matching).
 
     python -m tools.train.dit --vae-root out/trained --encoder-root checkpoints/tiny/MiniMax-H3 \
         --state /work/train_ckpt/dit --minutes 10 --workers 12 [--teacher-docs 0.5] [--export out/trained]
@@ -485,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.vae_root is None or args.encoder_root is None:
         parser.error("training needs --vae-root and --encoder-root")
+    if not 0.0 <= args.teacher_docs <= 1.0:
+        parser.error(f"--teacher-docs {args.teacher_docs}: a fraction of the examples, in [0, 1]")
     torch.set_float32_matmul_precision("high")  # TF32 on CUDA; the bf16 path would take the serving Triton kernels
     cfg = DiTRunConfig(dims=args.dims, frames=args.frames, accum=args.accum, lr=args.lr, warmup=args.warmup,
                        minutes=args.minutes, max_steps=args.max_steps, save_every=args.save_every,
