@@ -65,6 +65,9 @@ WORLD_CANVAS = Canvas(width=world.WIDTH, height=world.HEIGHT)
 TEACHER_LATER_REQUESTS = tuple(range(1, len(plans_of_every_shape()) + 1))
 """The later requests a teacher document takes the shape of: request 1 (after request 0's 207 latents) and one
 period of the 198/199 cycle after it, so every (previous, new) pair of audio latent counts of a session."""
+TEACHER_SWITCH = 0.3
+"""Of a later request's teacher documents, those after a prompt switch: the tail is the previous prompt's sound,
+the text and the new latents the new prompt's (a served switch asks the teacher for exactly that)."""
 
 
 def audio_latents(frames: int) -> int:
@@ -108,15 +111,21 @@ def tail_latents(request_index: int) -> int:
     return 0 if request_index == 0 else TEACHER_TAIL_LATENTS
 
 
-def _draw(seed: int, teacher_docs: float) -> tuple[world.Scene, int, int | None]:
-    """Scene, start frame and, for a teacher document, its request index (None: a clip) of world seed `seed`."""
+def _draw(seed: int, teacher_docs: float) -> tuple[world.Scene, int, int | None, world.Scene | None]:
+    """Scene, start frame and, for a teacher document, its request index (None: a clip) of world seed `seed`; and
+    for a later request's document that follows a prompt switch (`TEACHER_SWITCH` of them), the new prompt's scene
+    (`world.continued_scene` at the request's first new latent), the tail staying the first scene's."""
     rng = np.random.default_rng(seed)
     scene = world.sample_scene(rng)
     start = int(rng.integers(0, 10 * world.FPS))
     if rng.random() >= teacher_docs:
-        return scene, start, None
+        return scene, start, None, None
     request = 0 if rng.random() < 0.5 else int(rng.choice(TEACHER_LATER_REQUESTS))
-    return scene, start, request
+    switched = None
+    if request and rng.random() < TEACHER_SWITCH:
+        at = (start * world.SAMPLE_RATE // world.FPS + plan_request(request).audio_start * HOP) / world.SAMPLE_RATE
+        switched = world.continued_scene(scene, at, *world.sample_grammar(rng))
+    return scene, start, request, switched
 
 
 def teacher_request(seed: int, teacher_docs: float) -> int | None:
@@ -131,34 +140,40 @@ def _render_clip(seed: int, scene: world.Scene, start: int, frames: int) -> Clip
     return Clip(seed, scene.caption, torch.from_numpy(np.ascontiguousarray(video)), torch.from_numpy(wave))
 
 
-def _render_teacher(seed: int, scene: world.Scene, start: int, request_index: int) -> TeacherClip:
+def _render_teacher(seed: int, scene: world.Scene, start: int, request_index: int,
+                    switched: world.Scene | None = None) -> TeacherClip:
     """The scene's audio from its start frame as a session's request `request_index` meets it: its tail latents and
-    its new ones (every window of the world is closed-form, so a later request is a later start)."""
+    its new ones (every window of the world is closed-form, so a later request is a later start). After a switch
+    the new latents and the caption are `switched`'s."""
     plan, n_tail = plan_request(request_index), tail_latents(request_index)
     first = start * world.SAMPLE_RATE // world.FPS + (plan.audio_start - n_tail) * HOP
-    wave = world.render_audio(scene, first, (n_tail + plan.num_audio_latents) * HOP)
-    return TeacherClip(seed, scene.caption, request_index, torch.from_numpy(wave))
+    if switched is None:
+        wave = world.render_audio(scene, first, (n_tail + plan.num_audio_latents) * HOP)
+        return TeacherClip(seed, scene.caption, request_index, torch.from_numpy(wave))
+    wave = np.concatenate([world.render_audio(scene, first, n_tail * HOP),
+                           world.render_audio(switched, first + n_tail * HOP, plan.num_audio_latents * HOP)], axis=1)
+    return TeacherClip(seed, switched.caption, request_index, torch.from_numpy(wave))
 
 
 def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float = 0.0) -> Clip | TeacherClip:
     """What world seed `seed` renders to (numpy only): its scene from a random start frame in the first 10 s, as a
     clip of `frames` frames or, for a `teacher_docs` fraction of the seeds, as an audio teacher document. A seed's
     clip is the same whatever the fraction."""
-    scene, start, request = _draw(seed, teacher_docs)
+    scene, start, request, switched = _draw(seed, teacher_docs)
     if request is None:
         return _render_clip(seed, scene, start, frames)
-    return _render_teacher(seed, scene, start, request)
+    return _render_teacher(seed, scene, start, request, switched)
 
 
 def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
     """The clip of world seed `seed`: its scene from a random start frame in the first 10 s (numpy only)."""
-    scene, start, _ = _draw(seed, 0.0)
+    scene, start, _, _ = _draw(seed, 0.0)
     return _render_clip(seed, scene, start, frames)
 
 
 def render_teacher_clip(seed: int, request_index: int) -> TeacherClip:
     """Request `request_index`'s audio teacher document of world seed `seed`'s scene from its start frame."""
-    scene, start, _ = _draw(seed, 0.0)
+    scene, start, _, _ = _draw(seed, 0.0)
     return _render_teacher(seed, scene, start, request_index)
 
 

@@ -318,3 +318,51 @@ def all_captions() -> list[str]:
     """Every caption the grammar can produce (one per shape x colour x background x motion)."""
     return [Scene(shape, colour.name, background, motion.name, SIZE_RANGE[0], 0.0, 0.0).caption
             for shape in SHAPES for colour in COLOURS for background in BACKGROUNDS for motion in MOTIONS]
+
+
+OPENING_SIZE = 33.0
+"""Half-extent of the shapes of a streamed session (`opening_scene`), the middle of `SIZE_RANGE`."""
+
+
+def _inside(scene: Scene, x: float, y: float) -> tuple[float, float]:
+    """(x, y) moved the least distance that keeps a shape on an axis it does not wrap on inside the canvas."""
+    side, above, below = scene.reach
+    if scene.motion not in ("left", "right"):
+        x = min(max(x, side + _MARGIN), WIDTH - side - _MARGIN)
+    if scene.motion not in ("up", "down"):
+        y = min(max(y, above + _MARGIN), HEIGHT - below - _MARGIN)
+    return x, y
+
+
+def opening_scene(shape: str, colour: str, background: str, motion: str) -> Scene:
+    """The scene a streamed session opens on: its caption alone decides every pixel (centred, `OPENING_SIZE`, a
+    bounce just landed), so a model given only the caption has one right answer for the first frames."""
+    return Scene(shape, colour, background, motion, OPENING_SIZE, WIDTH / 2, HEIGHT / 2)
+
+
+def continued_scene(previous: Scene, at: float, shape: str, colour: str, background: str, motion: str) -> Scene:
+    """The scene a prompt switch at time `at` (seconds) leads to: the new grammar values, with the shape's centre at
+    `at` where `previous` had it (moved inside the canvas on an axis the new motion does not wrap on; a bounce at
+    the height the shape had, rising)."""
+    px, py = (float(v[0]) for v in previous.centre(np.array([at])))
+    probe = Scene(shape, colour, background, motion, OPENING_SIZE, 0.0, 0.0)
+    x, y = _inside(probe, px, py)
+    x0, y0, phase = x, y, 0.0
+    if motion == "left":
+        x0 = (x + HORIZONTAL_SPEED * at) % WIDTH
+    elif motion == "right":
+        x0 = (x - HORIZONTAL_SPEED * at) % WIDTH
+    elif motion == "up":
+        y0 = (y + VERTICAL_SPEED * at) % HEIGHT
+    elif motion == "down":
+        y0 = (y - VERTICAL_SPEED * at) % HEIGHT
+    elif motion == "bounce":  # |sin(pi (at + phase))| = height above the floor / bounce height
+        lift = min(max((probe.floor - y) / probe.bounce_height, 0.0), 1.0)
+        phase = (math.asin(lift) / math.pi * BOUNCE_PERIOD - at) % BOUNCE_PERIOD
+    return Scene(shape, colour, background, motion, OPENING_SIZE, x0, y0, phase)
+
+
+def sample_grammar(rng: np.random.Generator) -> tuple[str, str, str, str]:
+    """(shape, colour, background, motion), each value equally likely."""
+    return (SHAPES[rng.integers(len(SHAPES))], COLOURS[rng.integers(len(COLOURS))].name,
+            list(BACKGROUNDS)[rng.integers(len(BACKGROUNDS))], MOTIONS[rng.integers(len(MOTIONS))].name)

@@ -136,12 +136,16 @@ def random_adapter_spec(args: ModelArgs, device: torch.device | str, seed: int, 
 def write_random_adapter(args: ModelArgs, out_dir: str | Path, seed: int, rank: int | None = None,
                          alpha: float | None = None) -> Path:
     """Write a random adapter in the native layout (for the tiny/full checkpoint writer and tests)."""
-    spec = random_adapter_spec(args, "cpu", seed, rank, alpha)
+    return write_adapter(random_adapter_spec(args, "cpu", seed, rank, alpha), out_dir)
+
+
+def write_adapter(spec: AdapterSpec, out_dir: str | Path) -> Path:
+    """Write `spec` in the native layout `load_adapter` reads: config.json and the FP32 factors."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for target, (a, b) in spec.factors.items():
-        tensors[f"{target}.lora_a"], tensors[f"{target}.lora_b"] = a, b
+        tensors[f"{target}.lora_a"], tensors[f"{target}.lora_b"] = a.float().contiguous(), b.float().contiguous()
     save_file(tensors, str(out / WEIGHTS_FILE))
     (out / "config.json").write_text(json.dumps({"rank": spec.rank, "alpha": spec.alpha}))
     return out

@@ -1,0 +1,136 @@
+"""The student trainer runs the served streaming pattern: its batched forwards equal the runtime's, phase by phase."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.dit.model.layout import pack_layout
+from services.dit.model.lora import load_adapter
+from services.dit.model.network import PRESETS, build_random
+from services.dit.stream.attention import StreamingAttention
+from services.dit.stream.geometry import plan_request
+from services.dit.stream.kv_cache import CleanAVKVCache, kv_capacity
+from services.dit.stream.schedule import model_t
+from tools.train import student, world
+
+pytestmark = pytest.mark.cpu
+
+LH, LW = 6, 8  # a 128x96 canvas: 12 video rows a latent
+
+
+def _session(gen: torch.Generator, text_lens: tuple[int, int]) -> student.Session:
+    args = PRESETS["tiny"]
+    return student.Session(tuple(torch.randn(n, args.text_dim, generator=gen) for n in text_lens),
+                           torch.randn(72, args.video_channels, LH, LW, generator=gen),
+                           torch.randn(2, 405, args.audio_channels, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = build_random(PRESETS["tiny"], "cpu", torch.float32, 0)
+    adapter = student.student_adapter(m, rank=8, seed=1)
+    with torch.no_grad():  # a LoRA that changes the output, so a pattern that dropped it would show
+        for layer in adapter.layers.values():
+            layer.lora_B["taomate"].weight.normal_(0.0, 0.05)
+    return m.eval()
+
+
+def _runtime_phase(model, cache, sess, timeline, ph, xv, xa, sigma_v, sigma_a, commit):
+    """One forward as `DiTRuntime._forward` runs it, over the real KV cache."""
+    text = sess.texts[ph.request_index]
+    layout = pack_layout(text_len=text.shape[0], audio_len_per_channel=ph.num_audio_latents,
+                         video_rows=xv.shape[0], positions_text=timeline.text(ph.request_index, text.shape[0]),
+                         positions_audio=timeline.audio(ph.audio_start, ph.num_audio_latents),
+                         positions_video=timeline.video(ph), video_t=model_t(sigma_v), audio_t=model_t(sigma_a))
+    if commit:
+        cache.begin(xa.shape[0], xv.shape[0])
+    out = model(xv, xa, text, layout, StreamingAttention(layout, cache, commit=commit), heads=not commit)
+    if commit:
+        cache.commit()
+        return None
+    return out[0]
+
+
+@torch.no_grad()
+def test_batched_student_forwards_equal_the_runtimes_over_eight_phases(model):
+    gen = torch.Generator().manual_seed(3)
+    sessions = [_session(gen, (9, 12)), _session(gen, (14, 7))]
+    batch = student.SessionBatch(sessions, torch.device("cpu"))
+    args = model.args
+    caches = [CleanAVKVCache(args.num_layers, kv_capacity(batch.canvas, 32), args.num_heads, args.head_dim,
+                             torch.float32, "cpu") for _ in sessions]
+    commits, audio_rows, n = [], [], 0
+    for k in range(student.REQUESTS):
+        for ph in plan_request(k).phases:
+            x0_v, x0_a = batch.clean(ph)
+            history = student.retained(commits, audio_rows)
+            xv = torch.randn(x0_v.shape, generator=gen)
+            v, _ = student.forward(model, batch, ph, xv, x0_a, 0.9612, 0.8609, history, commit=False)
+            for b, sess in enumerate(sessions):
+                want = _runtime_phase(model, caches[b], sess, batch.timelines[b], ph, xv[b], x0_a[b], 0.9612, 0.8609,
+                                      commit=False)
+                torch.testing.assert_close(v[b], want, atol=2e-5, rtol=1e-4,
+                                           msg=f"phase {k}.{ph.phase_index}, session {b}")
+            _, att = student.forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True)
+            for b, sess in enumerate(sessions):
+                _runtime_phase(model, caches[b], sess, batch.timelines[b], ph, x0_v[b], x0_a[b], 0.0, 0.0, commit=True)
+            commits.append((n, att.committed))
+            audio_rows.append(x0_a.shape[1])
+            n += 1
+            held = sum(kv[0].shape[1] for kv in student.retained(commits, audio_rows)[0])
+            assert held == caches[0].live, f"after commit {n - 1}: the trainer holds {held} rows, the cache {caches[0].live}"
+
+
+def test_a_switched_session_changes_caption_at_request_one_and_keeps_the_shape_where_it_was():
+    for seed in range(200):
+        scenes = student.session_scenes(seed, switch=1.0)
+        if scenes[1].motion == "still" and scenes[0].motion == "still":
+            break
+    else:
+        pytest.fail("no still -> still switch in 200 seeds")
+    at = plan_request(1).frame_start / world.FPS
+    before = [float(c[0]) for c in scenes[0].centre(np.array([at]))]
+    after = [float(c[0]) for c in scenes[1].centre(np.array([at]))]
+    assert scenes[0].caption != scenes[1].caption or scenes[0] == scenes[1]
+    np.testing.assert_allclose(after, before, atol=1e-6)
+    clip = student.render_session(seed, switch=1.0)
+    assert clip.captions == (scenes[0].caption, scenes[1].caption)
+    assert clip.frames.shape[0] == student.SESSION_FRAMES and clip.wave.shape[1] == 405 * 800
+
+
+def test_sessions_open_on_the_captions_own_scene():
+    a, b = (student.session_scenes(seed, switch=0.0)[0] for seed in (1, 2))
+    if a.caption == b.caption:
+        assert a == b
+    for seed in range(20):
+        scene = student.session_scenes(seed, switch=0.0)[0]
+        assert (scene.size, scene.x0, scene.y0, scene.phase) == (world.OPENING_SIZE, 160.0, 96.0, 0.0)
+
+
+@pytest.mark.slow
+def test_training_lowers_the_student_loss_and_exports_a_loadable_adapter(model, tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(0)
+    m = build_random(PRESETS["tiny"], "cpu", torch.float32, 0)
+    with torch.no_grad():  # a head of a trained model's scale (random init's is near zero: no gradient reaches in)
+        m.final_layer.video_out.weight.mul_(30.0)
+    adapter = student.student_adapter(m, rank=8, seed=1)
+    params = [p for p in m.parameters() if p.requires_grad]
+    assert params and all("lora" in n for n, p in m.named_parameters() if p.requires_grad)
+    opt = torch.optim.Adam(params, lr=3e-2)
+    batch = student.SessionBatch([_session(gen, (9, 9))], torch.device("cpu"))
+    losses = []
+    for _ in range(12):
+        opt.zero_grad()
+        loss = student.session_loss(m, batch, torch.Generator().manual_seed(0), self_rollout=False)
+        loss.total.backward()
+        opt.step()
+        losses.append(loss.total.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    out = student.write_adapter(student.adapter_spec(adapter, m.state_dict()), tmp_path / "lora")
+    spec = load_adapter(out, m.args)
+    assert spec.rank == 8
+    target = "blocks.0.attn.qkv_proj"
+    torch.testing.assert_close(spec.factors[target][1], adapter.layers[target].lora_B["taomate"].weight.detach())

@@ -1,0 +1,456 @@
+"""Train the tiny TaoMate LoRA student for the streaming pattern, on sessions of the synthetic world.
+
+    python -m tools.train.student --base out/dit_export --vae-root out/trained --encoder-root checkpoints/tiny/MiniMax-H3 \
+        --state /work/train_ckpt/student --minutes 8 [--export out/student]
+
+Knows nothing about serving. The base DiT (`tools.train.dit`'s export) stays frozen; a LoRA on its targets learns
+what the runtime (`services.dit.stream.runtime`) asks of the student, forward for forward:
+
+- A session is two requests (243 frames: 72 video latents, 405 audio latents a channel), eight causal phases. It
+  opens on the caption's own scene (`world.opening_scene`); with `--switch` probability request 1 switches to a
+  new caption at its first frame, the shape carried on from where it was (`world.continued_scene`).
+- Phase n runs the three student forwards at the fixed video sigmas (1, 0.9612, 0.8533), each attending to
+  [its request's text | the clean history the KV cache holds before phase n | the phase's own media rows], then
+  the clean commit (sigma 0, text at t = 1), whose media K/V become history. The history is the cache's retention:
+  before phase n >= 3, commit 0's video rows (the sink) and commits n - 2 and n - 1 whole (`kv_cache`).
+- The audio rows a student forward sees are the audio teacher's states at that step (noise, then its states 3 and
+  6, at the teacher's sigmas): here the clean audio noised to those sigmas. The commit takes the clean audio.
+- Student step s's video input is the clean latents noised to sigma_s with the phase's noise, or, with
+  probability `--self-rollout`, the Euler state the student's own earlier steps reached (as served). The loss is the
+  x0 error of every step's prediction (x0_hat = x + sigma v) against the clean latents; the commits carry gradients
+  through the history's K/V.
+
+Several sessions run side by side in each forward (`--sessions`): their rows share one packed document, each
+session attending to its own rows only, with the refiner run on each prompt alone. Resumable like the other
+trainers; session i of a run is seed `STUDENT_SEED + i`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from services.dit.model.checkpoint import load_dit
+from services.dit.model.layout import PackedLayout, pack_layout
+from services.dit.model.lora import AdapterSpec, LoRAAdapter, lora_targets, write_adapter
+from services.dit.model.network import PRESETS, DiT
+from services.dit.stream.geometry import Canvas, PhasePlan, audio_boundary, plan_request, request_latent_start
+from services.dit.stream.runtime import patchify
+from services.dit.stream.schedule import (AUDIO_SIGMAS, TEACHER_MILESTONES, TEACHER_SIGMAS, VIDEO_SIGMAS, euler_step,
+                                          model_t)
+from services.dit.stream.timeline import Timeline
+from tools.train import world
+from tools.train.dit import Conditioner
+from tools.train.train_state import EMA, TrainState
+from tools.train.vae import HOP, IndexRange, encode_video, to_model_space
+
+log = logging.getLogger("tools.train.student")
+
+REQUESTS = 2
+SESSION_FRAMES = 243  # request 0's 124 + request 1's 119: 72 latents, 17k + 5 frames as the VAE encodes them
+STUDENT_SEED = 1 << 20  # sessions never reuse the base trainer's clip seeds
+STEPS = len(VIDEO_SIGMAS) - 1
+AUDIO_STEP_SIGMAS = (1.0,) + tuple(TEACHER_SIGMAS[m] for m in TEACHER_MILESTONES[:-1])
+"""Sigma of the audio a student step is given: noise, then the teacher's states 3 and 6."""
+
+
+@dataclass(frozen=True)
+class SessionClip:
+    """One rendered session (what a DataLoader worker makes)."""
+
+    seed: int
+    captions: tuple[str, ...]
+    """The prompt of each request."""
+    frames: torch.Tensor
+    """[243, H, W, 3] uint8."""
+    wave: torch.Tensor
+    """[2, 405 * HOP] float32 stereo."""
+
+    def pin_memory(self) -> "SessionClip":
+        return SessionClip(self.seed, self.captions, self.frames.pin_memory(), self.wave.pin_memory())
+
+
+def session_scenes(seed: int, switch: float) -> list[world.Scene]:
+    """The scene of each request of session `seed`: the opening scene, then (with probability `switch`) another."""
+    rng = np.random.default_rng(seed)
+    scenes = [world.opening_scene(*world.sample_grammar(rng))]
+    for k in range(1, REQUESTS):
+        if rng.random() < switch:
+            at = plan_request(k).frame_start / world.FPS
+            scenes.append(world.continued_scene(scenes[-1], at, *world.sample_grammar(rng)))
+        else:
+            scenes.append(scenes[-1])
+    return scenes
+
+
+def render_session(seed: int, switch: float) -> SessionClip:
+    """Frames and sound of session `seed`, each request from its own scene (a switch cuts at the boundary; the
+    audio cuts at the request's first audio latent)."""
+    scenes = session_scenes(seed, switch)
+    frames, waves = [], []
+    for k, scene in enumerate(scenes):
+        plan = plan_request(k)
+        frames.append(world.render_video(scene, plan.frame_start, plan.num_frames))
+        waves.append(world.render_audio(scene, plan.audio_start * HOP, plan.num_audio_latents * HOP))
+    return SessionClip(seed, tuple(s.caption for s in scenes), torch.from_numpy(np.concatenate(frames)),
+                       torch.from_numpy(np.concatenate(waves, axis=1)))
+
+
+class Sessions(Dataset):
+    def __init__(self, switch: float, distinct: int | None = None) -> None:
+        self.switch, self.distinct = switch, distinct
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, i: int) -> SessionClip:
+        return render_session(STUDENT_SEED + (i % self.distinct if self.distinct else i), self.switch)
+
+
+@dataclass(frozen=True)
+class Session:
+    """One session as the DiT sees it."""
+
+    texts: tuple[torch.Tensor, ...]
+    """Per request, [L, text_dim] layer hidden states of its prompt."""
+    video: torch.Tensor
+    """[72, 24, h, w] normalised video latents."""
+    audio: torch.Tensor
+    """[2, 405, 32] normalised audio latents (left, right)."""
+
+
+@torch.no_grad()
+def encode_session(cond: Conditioner, clip: SessionClip) -> Session:
+    """The frozen VAE encoders and text encoder on a rendered session (the base trainer's `Conditioner`)."""
+    dev = cond.device
+    x = to_model_space(clip.frames[None].to(dev, non_blocking=True))
+    mu, sd = cond._stats(cond.video_vae, (-1, 1, 1, 1))
+    video = ((encode_video(cond.video_vae, x).mean[0].float() - mu) / sd).transpose(0, 1)  # [72, C, h, w]
+    mu, sd = cond._stats(cond.audio_vae, (1, -1, 1))
+    mono = clip.wave.to(dev, non_blocking=True)[:, None]  # [2, 1, N]
+    audio = ((cond.audio_vae.encode(mono).latent_dist.mean.float() - mu) / sd).transpose(1, 2)  # [2, 405, 32]
+    texts = []
+    for caption in clip.captions:
+        if caption not in cond._texts:
+            cond._texts[caption] = cond.text.encode(caption).float().clone()
+        texts.append(cond._texts[caption])
+    return Session(tuple(texts), video.contiguous(), audio.contiguous())
+
+
+class SessionsAttention:
+    """The streaming pattern for B sessions packed in one document `[texts | audio-L | audio-R | video | pad]`
+    (session-major inside each block): each text attends to itself; each session's media rows to
+    [its text | its history | its media rows]. With `commit`, each layer's media K/V `[B, M, H, D]` (rows: audio-L,
+    audio-R, video) are kept in `committed`."""
+
+    def __init__(self, text_lens: list[int], audio_len: int, video_len: int, seq_len: int,
+                 history: list[list[tuple[torch.Tensor, torch.Tensor]]], commit: bool):
+        self.text_lens, self.a, self.tv, self.seq_len = text_lens, audio_len, video_len, seq_len
+        self.history, self.commit = history, commit  # history[layer]: [(k, v) [B, n, H, D], ...]
+        self.committed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [S, H, D]
+        b, a, tv, tt = len(self.text_lens), self.a, self.tv, sum(self.text_lens)
+        starts = np.cumsum([0] + self.text_lens)
+        outs = [F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1)[None] for x in (q, k, v)))[0].transpose(0, 1)
+                for s, e in zip(starts[:-1], starts[1:])]  # each text over itself: [L_b, H, D]
+
+        def media(x: torch.Tensor) -> torch.Tensor:  # [S, H, D] -> [B, 2A + Tv, H, D]
+            al = x[tt:tt + b * a].unflatten(0, (b, a))
+            ar = x[tt + b * a:tt + 2 * b * a].unflatten(0, (b, a))
+            vid = x[tt + 2 * b * a:tt + 2 * b * a + b * tv].unflatten(0, (b, tv))
+            return torch.cat([al, ar, vid], dim=1)
+
+        lmax = max(self.text_lens)
+
+        def texts(x: torch.Tensor) -> torch.Tensor:  # [S, H, D] -> [B, Lmax, H, D], zero-padded
+            return torch.stack([F.pad(x[s:e], (0, 0, 0, 0, 0, lmax - (e - s))) for s, e in zip(starts[:-1], starts[1:])])
+
+        qm, km, vm = media(q), media(k), media(v)
+        if self.commit:
+            self.committed.append((km, vm))
+        hist = self.history[layer] if self.history else []
+        keys = torch.cat([texts(k)] + [h[0] for h in hist] + [km], dim=1)  # [B, Nk, H, D]
+        values = torch.cat([texts(v)] + [h[1] for h in hist] + [vm], dim=1)
+        valid = torch.ones(b, keys.shape[1], dtype=torch.bool, device=q.device)
+        for i, n in enumerate(self.text_lens):
+            valid[i, n:lmax] = False
+        out = F.scaled_dot_product_attention(qm.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=valid[:, None, None, :]).transpose(1, 2)  # [B, M, H, D]
+        parts = outs + [out[:, :a].flatten(0, 1), out[:, a:2 * a].flatten(0, 1), out[:, 2 * a:].flatten(0, 1)]
+        if self.seq_len > tt + b * (2 * a + tv):
+            parts.append(q.new_zeros(self.seq_len - tt - b * (2 * a + tv), *q.shape[1:]))
+        return torch.cat(parts, dim=0)
+
+
+def retained(commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]], audio_rows: list[int]
+             ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per layer, the history the KV cache holds after `len(commits)` commits: all of them up to 2; from 3 on,
+    commit 0's video rows (the sink) and the 2 newest whole. `audio_rows[i]`: commit i's audio rows (both
+    channels)."""
+    if not commits:
+        return []
+    n, layers = len(commits), len(commits[0][1])
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+    for i, (index, per_layer) in enumerate(commits):
+        if n > 2 and index == 0:
+            cut = audio_rows[0]
+            for layer, (k, v) in enumerate(per_layer):
+                out[layer].append((k[:, cut:], v[:, cut:]))
+        elif i >= n - 2:
+            for layer, kv in enumerate(per_layer):
+                out[layer].append(kv)
+    return out
+
+
+class SessionBatch:
+    """B encoded sessions on one canvas; builds the packed document of any phase and step."""
+
+    def __init__(self, sessions: list[Session], device: torch.device):
+        self.sessions, self.device = sessions, device
+        _, _, lh, lw = sessions[0].video.shape
+        self.canvas = Canvas(width=lw * 16, height=lh * 16)
+        self.timelines = [Timeline(self.canvas, origin=float(s.texts[0].shape[0])) for s in sessions]
+
+    def clean(self, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clean video rows `[B, Tv, 96]` and audio rows `[B, 2A, 32]` (L rows then R rows) of phase `ph`."""
+        first = request_latent_start(ph.request_index) + ph.latent_offset
+        video = torch.stack([patchify(s.video[first:first + ph.num_latents]) for s in self.sessions])
+        audio = torch.stack([s.audio[:, ph.audio_start:ph.audio_start + ph.num_audio_latents].reshape(-1, s.audio.shape[-1])
+                             for s in self.sessions])
+        return video.to(self.device), audio.to(self.device)
+
+    def layout(self, ph: PhasePlan, sigma_v: float, sigma_a: float) -> tuple[PackedLayout, list[int]]:
+        """The packed layout of phase `ph` for every session at (sigma_v, sigma_a), text at the video's t."""
+        k = ph.request_index
+        lens = [s.texts[k].shape[0] for s in self.sessions]
+        pos_t = torch.cat([tl.text(k, n) for tl, n in zip(self.timelines, lens)])
+        aud = [tl.audio(ph.audio_start, ph.num_audio_latents) for tl in self.timelines]  # each [2A, 3]: L then R
+        a = ph.num_audio_latents
+        pos_a = torch.cat([p[:a] for p in aud] + [p[a:] for p in aud])
+        pos_v = torch.cat([tl.video(ph) for tl in self.timelines])
+        layout = pack_layout(text_len=sum(lens), audio_len_per_channel=len(lens) * a,
+                             video_rows=pos_v.shape[0], positions_text=pos_t, positions_audio=pos_a,
+                             positions_video=pos_v, video_t=model_t(sigma_v), audio_t=model_t(sigma_a))
+        return layout.to(self.device), lens
+
+
+def forward(model: DiT, batch: SessionBatch, ph: PhasePlan, video: torch.Tensor, audio: torch.Tensor,
+            sigma_v: float, sigma_a: float, history, commit: bool):
+    """One student (or commit) forward of phase `ph` for the batch: video velocity `[B, Tv, 96]` (None for a
+    commit) and the attention (its `committed` K/V after a commit)."""
+    # video: [B, Tv, 96], audio: [B, 2A, 32] (L rows then R rows per session)
+    layout, lens = batch.layout(ph, sigma_v, sigma_a)
+    b, tv, a = video.shape[0], video.shape[1], ph.num_audio_latents
+    k = ph.request_index
+    texts = [model.token_refiner(model.condition_proj(s.texts[k].to(batch.device))) for s in batch.sessions]
+    rows_a = model.audio_patch_proj(torch.cat([audio[:, :a].flatten(0, 1), audio[:, a:].flatten(0, 1)]))
+    rows_v = model.video_patch_proj(video.flatten(0, 1))
+    pad = layout.seq_len - layout.num_real
+    x = torch.cat(texts + [rows_a, rows_v, rows_v.new_zeros(pad, rows_v.shape[1])])  # [S, C]
+    attention = SessionsAttention(lens, a, tv, layout.seq_len, history, commit)
+    x = model.run_blocks(x, layout, attention, range(len(model.blocks)))
+    if commit:
+        return None, attention
+    v_video, _ = model.head(x, layout)
+    return v_video.unflatten(0, (b, tv)), attention
+
+
+@dataclass(frozen=True)
+class StudentLoss:
+    total: torch.Tensor
+    steps: tuple[float, ...]
+    """Mean x0 MSE of student step 0, 1, 2 over the session's phases."""
+
+
+def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, self_rollout: bool) -> StudentLoss:
+    """Every phase of the batch's sessions as the runtime runs them; the x0 loss of each student step."""
+    commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+    audio_rows: list[int] = []
+    per_step = [[] for _ in range(STEPS)]
+    total = 0.0
+    n = 0
+    for k in range(REQUESTS):
+        for ph in plan_request(k).phases:
+            x0_v, x0_a = batch.clean(ph)
+            e_v = torch.randn(x0_v.shape, generator=generator).to(batch.device)
+            e_a = torch.randn(x0_a.shape, generator=generator).to(batch.device)
+            history = retained(commits, audio_rows)
+            x = e_v
+            for s in range(STEPS):
+                sv, sa = VIDEO_SIGMAS[s], AUDIO_STEP_SIGMAS[s]
+                if not self_rollout:
+                    x = (1 - sv) * x0_v + sv * e_v
+                xa = (1 - sa) * x0_a + sa * e_a
+                v, _ = forward(model, batch, ph, x, xa, sv, AUDIO_SIGMAS[s], history, commit=False)
+                x0_hat = x + sv * v
+                loss = F.mse_loss(x0_hat, x0_v)
+                total = total + loss
+                per_step[s].append(loss.item())
+                x = euler_step(x, v.detach(), sv, VIDEO_SIGMAS[s + 1]).detach()
+            _, att = forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True)
+            commits.append((n, att.committed))
+            audio_rows.append(x0_a.shape[1])
+            n += 1
+    count = n * STEPS
+    return StudentLoss(total / count, tuple(float(np.mean(p)) for p in per_step))
+
+
+def student_adapter(model: DiT, rank: int, seed: int) -> LoRAAdapter:
+    """A fresh LoRA on every target of `model`, trainable: A random, B zero (so it starts as the base model)."""
+    gen = torch.Generator().manual_seed(seed)
+    factors = {t: (torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in), torch.zeros(fan_out, rank))
+               for t, (fan_in, fan_out) in lora_targets(model.args).items()}
+    adapter = LoRAAdapter(model, AdapterSpec(rank, float(rank), factors), dtype=torch.float32)
+    for layer in adapter.layers.values():
+        for mod in layer.lora_A.values():
+            mod.requires_grad_(True)
+        for mod in layer.lora_B.values():
+            mod.requires_grad_(True)
+    return adapter
+
+
+def adapter_spec(adapter: LoRAAdapter, weights: dict[str, torch.Tensor]) -> AdapterSpec:
+    """The adapter's factors as held in `weights` (a state dict of the model, e.g. the EMA's)."""
+    factors = {}
+    for target in adapter.layers:
+        a = weights[f"{target}.lora_A.taomate.weight"].float().cpu()
+        b = weights[f"{target}.lora_B.taomate.weight"].float().cpu()
+        factors[target] = (a.contiguous(), b.contiguous())
+    return AdapterSpec(adapter.spec.rank, adapter.spec.alpha, factors)
+
+
+@dataclass(frozen=True)
+class StudentRunConfig:
+    rank: int = 32
+    sessions: int = 8
+    """Sessions side by side in each forward (one optimizer step)."""
+    lr: float = 5e-4
+    warmup: int = 50
+    ema_decay: float = 0.995
+    switch: float = 0.35
+    self_rollout: float = 0.5
+    minutes: float = 8.0
+    max_steps: int | None = None
+    save_every: int = 100
+    log_every: int = 5
+    distinct: int | None = None
+    workers: int = 0
+    seed: int = 0
+
+
+def build(base: Path, device: torch.device, cfg: StudentRunConfig) -> tuple[DiT, LoRAAdapter]:
+    """The frozen base (float32) with a trainable LoRA."""
+    model = load_dit(base, PRESETS["tiny"], device, torch.float32).requires_grad_(False)
+    return model, student_adapter(model, cfg.rank, cfg.seed)
+
+
+def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path) -> tuple[TrainState, LoRAAdapter]:
+    device = cond.device
+    model, adapter = build(base, device, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    state = TrainState(model, EMA(model, cfg.ema_decay), optimizer)
+    torch.manual_seed(cfg.seed)
+    state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct), batch_size=None,
+                            sampler=IndexRange(state.step * cfg.sessions), num_workers=cfg.workers,
+                            pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
+                            generator=torch.Generator()))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    started, seconds_before, window = time.monotonic(), state.seconds, []
+    while True:
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (state.step + 1) / cfg.warmup)
+        optimizer.zero_grad(set_to_none=True)
+        batch = SessionBatch([encode_session(cond, next(clips)) for _ in range(cfg.sessions)], device)
+        rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
+        loss = session_loss(model, batch, generator, rollout)
+        loss.total.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        optimizer.step()
+        state.step += 1
+        state.ema.update(model, state.step)
+        elapsed = time.monotonic() - started
+        state.seconds = seconds_before + elapsed
+        window.append(loss.steps)
+        if state.step % cfg.log_every == 0:
+            steps = np.mean(window, axis=0)
+            record = dict(step=state.step, x0=[round(float(s), 5) for s in steps], grad_norm=grad_norm,
+                          seconds=round(state.seconds, 1))
+            with (state_dir / "log.jsonl").open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            log.info("student step %d x0 %s", state.step, " ".join(f"{s:.4f}" for s in steps))
+            window.clear()
+        done = elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+        if done or state.step % cfg.save_every == 0:
+            state.save(state_dir, dict(vars(cfg)))
+        if done:
+            return state, adapter
+
+
+def export(state: TrainState, adapter: LoRAAdapter, out: Path) -> Path:
+    """Write the EMA's LoRA to `out` in the native TaoMate layout (`services.dit.model.lora.load_adapter`)."""
+    return write_adapter(adapter_spec(adapter, state.ema.shadow), out)
+
+
+def export_saved(state_dir: Path, base: Path, out: Path, rank: int) -> Path:
+    """`export` of the state saved in `state_dir`, without training."""
+    cfg = StudentRunConfig(rank=rank)
+    model, adapter = build(base, torch.device("cpu"), cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(params))
+    if state.load(state_dir, expect=dict(rank=rank)) is None:
+        raise FileNotFoundError(f"no saved state in {state_dir}")
+    return export(state, adapter, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, type=Path, help="the base DiT's FL2VA/transformer directory")
+    parser.add_argument("--vae-root", type=Path)
+    parser.add_argument("--encoder-root", type=Path)
+    parser.add_argument("--state", required=True, type=Path)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    defaults = StudentRunConfig()
+    for name in ("rank", "sessions", "lr", "warmup", "switch", "self_rollout", "minutes", "max_steps", "save_every",
+                 "log_every", "distinct", "workers"):
+        value = getattr(defaults, name)
+        kind = float if isinstance(value, float) else int
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
+    parser.add_argument("--export", type=Path, help="write the EMA's LoRA here at the end")
+    parser.add_argument("--export-only", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.export_only:
+        if args.export is None:
+            parser.error("--export-only needs --export")
+        export_saved(args.state, args.base, args.export, args.rank)
+        return
+    if args.vae_root is None or args.encoder_root is None:
+        parser.error("training needs --vae-root and --encoder-root")
+    torch.set_float32_matmul_precision("high")
+    cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
+                           switch=args.switch, self_rollout=args.self_rollout, minutes=args.minutes,
+                           max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
+                           distinct=args.distinct, workers=args.workers)
+    cond = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), SESSION_FRAMES,
+                       cache=args.distinct is not None)
+    state, adapter = train(cfg, args.base, cond, args.state)
+    if args.export is not None:
+        export(state, adapter, args.export)
+
+
+if __name__ == "__main__":
+    main()
