@@ -309,14 +309,19 @@ class FlowLoss:
     teacher: float | None = None
 
 
-def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | None = None) -> FlowLoss:
-    """The velocity MSE of one example at a random noise level per modality (see the module docstring)."""
+def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | None = None,
+                       pure_video: float = 0.0) -> FlowLoss:
+    """The velocity MSE of one example at a random noise level per modality (see the module docstring); with
+    probability `pure_video` the video is pure noise (sigma 1, the student's first state), so that only the text
+    can tell what it shows."""
     device = next(model.parameters()).device
     num_latents, _, lh, lw = ex.video.shape
     canvas = Canvas(width=lw * 16, height=lh * 16)
     x0_video = patchify(ex.video.to(device))  # [Tv, 96]
     x0_audio = ex.audio.to(device).reshape(-1, ex.audio.shape[-1])  # [2A, 32], left rows then right rows
     sigma_v, sigma_a = (shifted(torch.rand((), generator=generator), k).item() for k in (VIDEO_SHIFT, AUDIO_SHIFT))
+    if pure_video and torch.rand((), generator=generator).item() < pure_video:
+        sigma_v = 1.0
     noise_v = torch.randn(x0_video.shape, generator=generator).to(device)
     noise_a = torch.randn(x0_audio.shape, generator=generator).to(device)
     text_len = ex.text.shape[0]
@@ -368,9 +373,11 @@ def teacher_loss(model: DiT, ex: TeacherExample, generator: torch.Generator | No
     return FlowLoss(loss, teacher=loss.item())
 
 
-def example_loss(model: DiT, ex: Example | TeacherExample) -> FlowLoss:
+def example_loss(model: DiT, ex: Example | TeacherExample, pure_video: float = 0.0) -> FlowLoss:
     """The loss of an example of either kind."""
-    return teacher_loss(model, ex) if isinstance(ex, TeacherExample) else flow_matching_loss(model, ex)
+    if isinstance(ex, TeacherExample):
+        return teacher_loss(model, ex)
+    return flow_matching_loss(model, ex, pure_video=pure_video)
 
 
 @dataclass(frozen=True)
@@ -431,7 +438,7 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
         state.seconds = seconds_before + elapsed
         window.extend(parts)
         if state.step % cfg.log_every == 0:
-            means = _window_means(window)
+            means = window_means(window)
             record = dict(step=state.step, **means, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"],
                           seconds=round(state.seconds, 1))
             with (state_dir / "log.jsonl").open("a") as fh:
@@ -446,7 +453,7 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
             return state
 
 
-def _window_means(window: list[dict[str, float | None]]) -> dict[str, float | None]:
+def window_means(window: list[dict[str, float | None]]) -> dict[str, float | None]:
     """Each loss part's mean over the logged window's examples that have it (None: none of that kind)."""
     means: dict[str, float | None] = {}
     for part in LOSS_PARTS:

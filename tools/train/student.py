@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from services.dit.model.checkpoint import load_dit
+from services.dit.model.checkpoint import load_dit, write_trained_checkpoint
 from services.dit.model.layout import PackedLayout, pack_layout
 from services.dit.model.lora import AdapterSpec, LoRAAdapter, lora_targets, write_adapter
 from services.dit.model.network import PRESETS, DiT
@@ -49,9 +49,9 @@ from services.dit.stream.schedule import (AUDIO_SIGMAS, TEACHER_MILESTONES, TEAC
                                           model_t)
 from services.dit.stream.timeline import Timeline
 from tools.train import world
-from tools.train.dit import Conditioner
+from tools.train.dit import LOSS_PARTS, REQUEST_FRAMES, Clips, Conditioner, example_loss, window_means
 from tools.train.train_state import EMA, TrainState
-from tools.train.vae import HOP, IndexRange, encode_video, to_model_space
+from tools.train.vae import HOP, TRAIN_SEED, IndexRange, encode_video, to_model_space
 
 log = logging.getLogger("tools.train.student")
 
@@ -347,38 +347,80 @@ class StudentRunConfig:
     distinct: int | None = None
     workers: int = 0
     seed: int = 0
+    train_base: bool = False
+    """Train the base weights too (see the module docstring): its own objective with the LoRA off, and the
+    student's through the LoRA-on forwards."""
+    base_lr: float = 3e-4
+    base_accum: int = 4
+    """Base examples (clips and audio teacher documents, `tools.train.dit`) per step with `train_base`."""
+    teacher_docs: float = 0.5
+    pure_video: float = 0.25
 
 
 def build(base: Path, device: torch.device, cfg: StudentRunConfig) -> tuple[DiT, LoRAAdapter]:
-    """The frozen base (float32) with a trainable LoRA."""
+    """The base (float32) with a trainable LoRA; the base frozen unless `cfg.train_base`."""
     model = load_dit(base, PRESETS["tiny"], device, torch.float32).requires_grad_(False)
-    return model, student_adapter(model, cfg.rank, cfg.seed)
+    adapter = student_adapter(model, cfg.rank, cfg.seed)
+    set_trainable(model, cfg.train_base)
+    return model, adapter
+
+
+def is_lora(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def set_trainable(model: DiT, train_base: bool) -> None:
+    """The LoRA factors trainable, and the base weights when `train_base` (the adapter's on/off switch freezes its
+    layers, so this runs again after every LoRA-off forward)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_lora(name) or train_base)
+
+
+def base_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's own state dict from that of the model with the LoRA installed (peft's `base_layer` names)."""
+    return {k.replace(".base_layer.", "."): v for k, v in weights.items() if not is_lora(k)}
 
 
 def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path) -> tuple[TrainState, LoRAAdapter]:
     device = cond.device
     model, adapter = build(base, device, cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    lora = [p for n, p in model.named_parameters() if is_lora(n)]
+    own = [p for n, p in model.named_parameters() if not is_lora(n)] if cfg.train_base else []
+    groups = [dict(params=lora, lr=cfg.lr, peak=cfg.lr)] + ([dict(params=own, lr=cfg.base_lr, peak=cfg.base_lr)]
+                                                            if own else [])
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=0.0)
     state = TrainState(model, EMA(model, cfg.ema_decay), optimizer)
     torch.manual_seed(cfg.seed)
-    state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions))
+    state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions, train_base=cfg.train_base))
     state_dir.mkdir(parents=True, exist_ok=True)
-    clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct), batch_size=None,
-                            sampler=IndexRange(state.step * cfg.sessions), num_workers=cfg.workers,
-                            pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
-                            generator=torch.Generator()))
+    loader = dict(batch_size=None, num_workers=cfg.workers, pin_memory=device.type == "cuda",
+                  prefetch_factor=4 if cfg.workers else None)
+    clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct), sampler=IndexRange(state.step * cfg.sessions),
+                            generator=torch.Generator(), **loader))
+    base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, TRAIN_SEED, cfg.distinct, cfg.teacher_docs),
+                                 sampler=IndexRange(state.step * cfg.base_accum), generator=torch.Generator(),
+                                 **loader)) if own else None
     generator = torch.Generator().manual_seed(cfg.seed)
-    started, seconds_before, window = time.monotonic(), state.seconds, []
+    started, seconds_before, window, base_window = time.monotonic(), state.seconds, [], []
     while True:
         for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (state.step + 1) / cfg.warmup)
+            group["lr"] = group["peak"] * min(1.0, (state.step + 1) / cfg.warmup)
         optimizer.zero_grad(set_to_none=True)
         batch = SessionBatch([encode_session(cond, next(clips)) for _ in range(cfg.sessions)], device)
         rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
         loss = session_loss(model, batch, generator, rollout)
         loss.total.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        if base_clips is not None:
+            with adapter.suspended():  # the base's own objective, LoRA off
+                set_trainable(model, True)
+                for _ in range(cfg.base_accum):
+                    part = example_loss(model, cond.encode(next(base_clips)), cfg.pure_video)
+                    (part.total / cfg.base_accum).backward()
+                    base_window.append({k: getattr(part, k) for k in LOSS_PARTS})
+            set_trainable(model, True)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(lora, 1.0))
+        if own:
+            torch.nn.utils.clip_grad_norm_(own, 1.0)
         optimizer.step()
         state.step += 1
         state.ema.update(model, state.step)
@@ -389,10 +431,14 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
             steps = np.mean(window, axis=0)
             record = dict(step=state.step, x0=[round(float(s), 5) for s in steps], grad_norm=grad_norm,
                           seconds=round(state.seconds, 1))
+            if base_window:
+                record["base"] = window_means(base_window)
             with (state_dir / "log.jsonl").open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
-            log.info("student step %d x0 %s", state.step, " ".join(f"{s:.4f}" for s in steps))
+            log.info("student step %d x0 %s%s", state.step, " ".join(f"{s:.4f}" for s in steps),
+                     f" base {record['base']}" if base_window else "")
             window.clear()
+            base_window.clear()
         done = elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
@@ -400,20 +446,26 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
             return state, adapter
 
 
-def export(state: TrainState, adapter: LoRAAdapter, out: Path) -> Path:
-    """Write the EMA's LoRA to `out` in the native TaoMate layout (`services.dit.model.lora.load_adapter`)."""
+def export(state: TrainState, adapter: LoRAAdapter, out: Path, base_out: Path | None = None) -> Path:
+    """Write the EMA's LoRA to `out` in the native TaoMate layout (`services.dit.model.lora.load_adapter`), and with
+    `base_out` its base weights to `base_out` in the shipped layout (`load_dit`): a LoRA belongs to the base it
+    was trained on."""
+    if base_out is not None:
+        write_trained_checkpoint(PRESETS["tiny"], base_weights(state.ema.shadow), base_out)
     return write_adapter(adapter_spec(adapter, state.ema.shadow), out)
 
 
-def export_saved(state_dir: Path, base: Path, out: Path, rank: int) -> Path:
-    """`export` of the state saved in `state_dir`, without training."""
-    cfg = StudentRunConfig(rank=rank)
+def export_saved(state_dir: Path, base: Path, out: Path, rank: int, base_out: Path | None = None) -> Path:
+    """`export` of the state saved in `state_dir`, without training (`base_out`: a `--train-base` state's base)."""
+    cfg = StudentRunConfig(rank=rank, train_base=base_out is not None)
     model, adapter = build(base, torch.device("cpu"), cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(params))
-    if state.load(state_dir, expect=dict(rank=rank)) is None:
+    lora = [p for n, p in model.named_parameters() if is_lora(n)]
+    groups = [dict(params=lora)] + ([dict(params=[p for n, p in model.named_parameters() if not is_lora(n)])]
+                                    if cfg.train_base else [])
+    state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(groups))
+    if state.load(state_dir, expect=dict(rank=rank, train_base=cfg.train_base)) is None:
         raise FileNotFoundError(f"no saved state in {state_dir}")
-    return export(state, adapter, out)
+    return export(state, adapter, out, base_out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -425,31 +477,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
     for name in ("rank", "sessions", "lr", "warmup", "switch", "self_rollout", "minutes", "max_steps", "save_every",
-                 "log_every", "distinct", "workers"):
+                 "log_every", "distinct", "workers", "base_lr", "base_accum", "teacher_docs", "pure_video"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
+    parser.add_argument("--train-base", action="store_true", help="train the base weights too")
     parser.add_argument("--export", type=Path, help="write the EMA's LoRA here at the end")
+    parser.add_argument("--export-base", type=Path,
+                        help="with --train-base: write the EMA's base weights here (a FL2VA/transformer directory)")
     parser.add_argument("--export-only", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.export_only:
         if args.export is None:
             parser.error("--export-only needs --export")
-        export_saved(args.state, args.base, args.export, args.rank)
+        export_saved(args.state, args.base, args.export, args.rank, args.export_base)
         return
+    if args.export_base is not None and not args.train_base:
+        parser.error("--export-base needs --train-base")
     if args.vae_root is None or args.encoder_root is None:
         parser.error("training needs --vae-root and --encoder-root")
     torch.set_float32_matmul_precision("high")
     cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
                            switch=args.switch, self_rollout=args.self_rollout, minutes=args.minutes,
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
-                           distinct=args.distinct, workers=args.workers)
+                           distinct=args.distinct, workers=args.workers, train_base=args.train_base,
+                           base_lr=args.base_lr, base_accum=args.base_accum, teacher_docs=args.teacher_docs,
+                           pure_video=args.pure_video)
     cond = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), SESSION_FRAMES,
                        cache=args.distinct is not None)
     state, adapter = train(cfg, args.base, cond, args.state)
     if args.export is not None:
-        export(state, adapter, args.export)
+        export(state, adapter, args.export, args.export_base)
 
 
 if __name__ == "__main__":
