@@ -1,6 +1,8 @@
 """The student trainer runs the served streaming pattern: its batched forwards equal the runtime's, phase by phase."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,51 @@ def test_training_lowers_the_student_loss_and_exports_a_loadable_adapter(model, 
     assert spec.rank == 8
     target = "blocks.0.attn.qkv_proj"
     torch.testing.assert_close(spec.factors[target][1], adapter.layers[target].lora_B["taomate"].weight.detach())
+
+
+@pytest.mark.slow
+def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_reload_the_trained_model(tmp_path):
+    from services.dit.model.checkpoint import load_dit, write_trained_checkpoint
+    from services.dit.model.lora import LoRAAdapter
+    from services.encoder.checkpoint import write_random_checkpoint as write_encoder
+    from services.vae.checkpoint import write_random_checkpoint as write_vaes
+    from tools.train.dit import Conditioner
+
+    root = tmp_path / "minimax"
+    write_encoder("tiny", root)
+    write_vaes("tiny", root)
+    torch.manual_seed(0)
+    base_dir = write_trained_checkpoint(PRESETS["tiny"], build_random(PRESETS["tiny"], "cpu", torch.float32, 3)
+                                        .state_dict(), tmp_path / "base")
+    cond = Conditioner(root, root, torch.device("cpu"), student.SESSION_FRAMES, cache=True)
+    cfg = student.StudentRunConfig(rank=4, sessions=1, max_steps=2, distinct=1, train_base=True, base_accum=1,
+                                   warmup=1, log_every=1, base_lr=1e-2)
+    state, adapter = student.train(cfg, base_dir, cond, tmp_path / "state")
+    logged = [json.loads(line) for line in (tmp_path / "state" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2] and all(r["base"]["video"] or r["base"]["teacher"] for r in logged)
+
+    lora_dir = student.export(state, adapter, tmp_path / "lora", tmp_path / "trained_base")
+    before = load_dit(base_dir, PRESETS["tiny"], "cpu", torch.float32)
+    after = load_dit(tmp_path / "trained_base", PRESETS["tiny"], "cpu", torch.float32)
+    changed = [n for n, p in after.named_parameters() if not torch.equal(p, dict(before.named_parameters())[n])]
+    assert len(changed) > 20, changed  # the base's own weights moved, not only the LoRA's
+
+    # the exported pair is the trained EMA model: LoRA on and LoRA off
+    reference, _ = student.build(tmp_path / "trained_base", torch.device("cpu"), student.StudentRunConfig(rank=4))
+    weights = reference.state_dict()
+    weights.update({k: v for k, v in state.ema.shadow.items() if ".lora_" in k})
+    reference.load_state_dict(weights)
+    served = load_dit(tmp_path / "trained_base", PRESETS["tiny"], "cpu", torch.float32)
+    served_lora = LoRAAdapter.load(served, lora_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    sess = _session(gen, (9, 9))
+    batch = student.SessionBatch([sess], torch.device("cpu"))
+    ph = plan_request(0).phases[0]
+    xv, xa = batch.clean(ph)
+    with torch.no_grad():
+        want, _ = student.forward(reference, batch, ph, xv, xa, 1.0, 1.0, [], commit=False)
+        got, _ = student.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False)
+        with served_lora.suspended():
+            base_out, _ = student.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
+    assert (got - base_out).abs().max() > 1e-4  # the adapter is not a no-op on the exported base

@@ -1,0 +1,52 @@
+"""The sampling tool's measures (tools/train/sample.py), on media rendered by the synthetic world: the colour and
+place of the shape, the pitch and balance of the sound, and the frame spans of the stream's chunks."""
+
+import numpy as np
+import pytest
+
+from services.client import ChunkStat, ClientResult
+from tools.train import sample, world
+
+pytestmark = pytest.mark.cpu
+
+
+def _span_media(scene: world.Scene, frames: int = 34):
+    video = world.render_video(scene, 0, frames)
+    audio = world.render_audio(scene, 0, frames * world.SAMPLE_RATE // world.FPS)
+    return video, audio, sample.Span(0, 0, 0, frames)
+
+
+@pytest.mark.parametrize("colour", world.COLOURS, ids=lambda c: c.name)
+def test_look_reads_the_shapes_colour_and_the_colours_pitch(colour):
+    scene = world.opening_scene("circle", colour.name, "dark blue", "still")
+    video, audio, span = _span_media(scene)
+    lk = sample.look(video, audio, world.SAMPLE_RATE, span)
+    assert np.abs(np.subtract(lk.colour, colour.rgb)).max() <= 3
+    assert np.abs(np.subtract(lk.background, world.BACKGROUNDS["dark blue"])).max() <= 3
+    assert abs(lk.pitch_hz - colour.pitch_hz) <= 1.0 / (34 / world.FPS)  # one FFT bin of the 34-frame span
+    assert lk.centroid == pytest.approx((world.WIDTH / 2, world.HEIGHT / 2), abs=1.0)
+    assert abs(lk.balance_db) < 0.5  # centred: both channels alike
+
+
+def test_look_follows_the_shape_to_the_right_and_the_balance_with_it():
+    left = world.Scene("square", "red", "grey", "still", 30.0, 60.0, 96.0)
+    right = world.Scene("square", "red", "grey", "still", 30.0, 260.0, 96.0)
+    looks = [sample.look(*_span_media(s)[:2], world.SAMPLE_RATE, sample.Span(0, 0, 0, 34)) for s in (left, right)]
+    assert looks[0].centroid[0] == pytest.approx(60.0, abs=1.0) and looks[1].centroid[0] == pytest.approx(260, abs=1)
+    assert looks[0].balance_db < -3.0 < 3.0 < looks[1].balance_db
+
+
+def test_a_frame_without_a_shape_reports_none():
+    video = np.full((10, world.HEIGHT, world.WIDTH, 3), 40, np.uint8)
+    lk = sample.look(video, np.zeros((2, 10 * world.SAMPLE_RATE // world.FPS), np.float32), world.SAMPLE_RATE,
+                     sample.Span(0, 0, 0, 10))
+    assert lk.colour == (-1, -1, -1) and lk.coverage == 0.0
+
+
+def test_spans_merge_the_chunks_of_one_phase_and_skip_non_media_frames():
+    def chunk(i, kind, r, p, n):
+        return ChunkStat(i, kind, r, p, n, 1, 0.0, 0.0, ())
+    result = ClientResult(chunks=[chunk(0, "init", 0, 0, 0), chunk(1, "media", 0, 0, 13), chunk(2, "media", 0, 0, 26),
+                                  chunk(3, "media", 0, 1, 34), chunk(4, "media", 1, 0, 34)])
+    assert sample.spans_of(result) == [sample.Span(0, 0, 0, 39), sample.Span(0, 1, 39, 73),
+                                       sample.Span(1, 0, 73, 107)]
