@@ -170,3 +170,50 @@ def test_an_exported_state_loads_through_load_dit_with_the_trainers_forward(cond
     torch.manual_seed(5)
     got = trainer.flow_matching_loss(loaded, ex)
     assert got.video == pytest.approx(want.video, rel=1e-5) and got.audio == pytest.approx(want.audio, rel=1e-5)
+
+
+def test_an_opening_clip_is_the_sessions_opening_scene_from_frame_zero_and_leaves_other_seeds_as_they_were():
+    from tools.train import world
+    kinds = {seed: trainer.render_example(seed, 22, 0.5, openings=0.5) for seed in range(60)}
+    openings = [s for s, c in kinds.items() if isinstance(c, trainer.Clip) and c.opening]
+    clips = [s for s, c in kinds.items() if isinstance(c, trainer.Clip) and not c.opening]
+    assert 8 <= len(openings) <= 25 and len(clips) >= 8
+    for seed in clips:  # a clip not drawn as an opening is the clip it always was, a teacher document likewise
+        assert torch.equal(kinds[seed].frames, trainer.render_example(seed, 22, 0.5).frames)
+    for seed in set(kinds) - set(openings) - set(clips):
+        assert torch.equal(kinds[seed].wave, trainer.render_example(seed, 22, 0.5).wave)
+    for seed in openings:
+        clip = kinds[seed]
+        scene = next(world.opening_scene(*g) for g in _grammars() if world.opening_scene(*g).caption == clip.caption)
+        assert torch.equal(clip.frames, torch.from_numpy(world.render_video(scene, 0, 22)))
+
+
+def _grammars():
+    from itertools import product
+    from tools.train import world
+    return product(world.SHAPES, [c.name for c in world.COLOURS], world.BACKGROUNDS, [m.name for m in world.MOTIONS])
+
+
+class _Recorder(torch.nn.Module):
+    """A model that keeps the video rows it is given."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.inputs = model, []
+
+    def forward(self, video, audio, *rest):
+        self.inputs.append(video.clone())
+        return self.model(video, audio, *rest)
+
+
+def test_an_opening_clips_video_is_given_as_pure_noise_and_logged_apart(conditioner):
+    ex = conditioner.example(3)
+    rec = _Recorder(build_random(PRESETS["tiny"], "cpu", torch.float32, 0))
+    for opening in (False, True):
+        for scale in (1.0, 3.0):  # other clean video: the input moves unless it is pure noise
+            changed = replace(ex, video=ex.video * scale, opening=opening)
+            loss = trainer.flow_matching_loss(rec, changed, torch.Generator().manual_seed(1))
+            assert (loss.opening is None) != opening and (loss.video is None) == opening
+    same = rec.inputs[2:]
+    assert not torch.equal(rec.inputs[0], rec.inputs[1])
+    torch.testing.assert_close(same[0], same[1], rtol=0, atol=0)

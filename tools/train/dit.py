@@ -14,6 +14,10 @@ attention, both opening with the caption's unnormalised layer hidden states from
   `Timeline.teacher` gives. Half are request 0's (no tail, 207 new latents a channel), half a later request's
   (request 1 .. 4, every (previous, new) pair of audio counts a session meets: the 40-latent clean tail of the
   same scene's audio just before, then 198 or 199 new latents).
+- an opening clip (`--openings`, a fraction of the clips): a request-0 clip of a session's opening scene
+  (`world.opening_scene`: the caption alone decides every pixel) from frame 0, its video given as pure noise
+  (sigma 1, the student's first state in a session's first phase). Only the text can tell what it shows; without
+  such clips the video rows learn to read the noisy video and leave the text alone (docs/training.md).
 
 The media latents come from the trained VAEs (`tools.train.vae`), posterior means normalised with each
 checkpoint's own statistics, exactly as the VAE service will denormalise them.
@@ -85,10 +89,12 @@ class Clip:
     """[F, H, W, 3] uint8."""
     wave: torch.Tensor
     """[2, A * HOP] float32 stereo."""
+    opening: bool = False
+    """A session's opening scene from frame 0, whose video is trained from pure noise (see `render_example`)."""
 
     def pin_memory(self) -> "Clip":
         """The DataLoader's pinning hook: the same clip in page-locked memory."""
-        return Clip(self.seed, self.caption, self.frames.pin_memory(), self.wave.pin_memory())
+        return Clip(self.seed, self.caption, self.frames.pin_memory(), self.wave.pin_memory(), self.opening)
 
 
 @dataclass(frozen=True)
@@ -155,14 +161,21 @@ def _render_teacher(seed: int, scene: world.Scene, start: int, request_index: in
     return TeacherClip(seed, switched.caption, request_index, torch.from_numpy(wave))
 
 
-def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float = 0.0) -> Clip | TeacherClip:
+def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float = 0.0,
+                   openings: float = 0.0) -> Clip | TeacherClip:
     """What world seed `seed` renders to (numpy only): its scene from a random start frame in the first 10 s, as a
-    clip of `frames` frames or, for a `teacher_docs` fraction of the seeds, as an audio teacher document. A seed's
-    clip is the same whatever the fraction."""
+    clip of `frames` frames or, for a `teacher_docs` fraction of the seeds, as an audio teacher document. Of the
+    clips, an `openings` fraction is instead an opening clip: a session's opening scene (`world.opening_scene`,
+    which the caption alone decides) from frame 0, its video to be trained from pure noise. A seed's clip and
+    teacher document are the same whatever the fractions, its opening draw coming from a stream of its own."""
     scene, start, request, switched = _draw(seed, teacher_docs)
-    if request is None:
-        return _render_clip(seed, scene, start, frames)
-    return _render_teacher(seed, scene, start, request, switched)
+    if request is not None:
+        return _render_teacher(seed, scene, start, request, switched)
+    rng = np.random.default_rng([seed, 1])
+    if rng.random() < openings:
+        opening = _render_clip(seed, world.opening_scene(*world.sample_grammar(rng)), 0, frames)
+        return Clip(opening.seed, opening.caption, opening.frames, opening.wave, opening=True)
+    return _render_clip(seed, scene, start, frames)
 
 
 def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
@@ -179,17 +192,20 @@ def render_teacher_clip(seed: int, request_index: int) -> TeacherClip:
 
 class Clips(Dataset):
     """Sample i: what seed `base + i` renders to (`base + i % distinct` when only `distinct` seeds are used), a
-    teacher document for a `teacher_docs` fraction of the seeds."""
+    teacher document for a `teacher_docs` fraction of the seeds and an opening clip for an `openings` fraction of
+    the clips (`render_example`)."""
 
     def __init__(self, frames: int, base: int = TRAIN_SEED, distinct: int | None = None,
-                 teacher_docs: float = 0.0) -> None:
-        self.frames, self.base, self.distinct, self.teacher_docs = frames, base, distinct, teacher_docs
+                 teacher_docs: float = 0.0, openings: float = 0.0) -> None:
+        self.frames, self.base, self.distinct = frames, base, distinct
+        self.teacher_docs, self.openings = teacher_docs, openings
 
     def __len__(self) -> int:
         return 1 << 40
 
     def __getitem__(self, i: int) -> Clip | TeacherClip:
-        return render_example(self.base + (i % self.distinct if self.distinct else i), self.frames, self.teacher_docs)
+        return render_example(self.base + (i % self.distinct if self.distinct else i), self.frames, self.teacher_docs,
+                              self.openings)
 
 
 @dataclass(frozen=True)
@@ -203,6 +219,8 @@ class Example:
     """[F, 24, h, w] normalised video latents."""
     audio: torch.Tensor
     """[2, A, 32] normalised audio latents (left, right)."""
+    opening: bool = False
+    """An opening clip: its video is trained from pure noise (sigma 1)."""
 
 
 @dataclass(frozen=True)
@@ -263,7 +281,8 @@ class Conditioner:
             x = to_model_space(clip.frames[None].to(self.device, non_blocking=True))
             mu, sd = self._stats(self.video_vae, (-1, 1, 1, 1))
             video = ((encode_video(self.video_vae, x).mean[0].float() - mu) / sd).transpose(0, 1)  # [F, C, h, w]
-            out = Example(clip.caption, self._text(clip.caption), video.contiguous(), self._audio(clip.wave))
+            out = Example(clip.caption, self._text(clip.caption), video.contiguous(), self._audio(clip.wave),
+                          clip.opening)
         if self._cache is not None:
             self._cache[key] = out
         return out
@@ -296,31 +315,32 @@ def video_positions(canvas: Canvas, origin: float, num_latents: int) -> torch.Te
     return pos.reshape(-1, 3).float()
 
 
-LOSS_PARTS = ("video", "audio", "teacher")
+LOSS_PARTS = ("video", "audio", "teacher", "opening")
 
 
 @dataclass(frozen=True)
 class FlowLoss:
-    """One example's loss and its parts: video and audio for a clip, teacher for a teacher document."""
+    """One example's loss and its parts: video and audio for a clip (opening instead of video for an opening clip),
+    teacher for a teacher document."""
 
     total: torch.Tensor
     video: float | None = None
     audio: float | None = None
     teacher: float | None = None
+    opening: float | None = None
 
 
-def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | None = None,
-                       pure_video: float = 0.0) -> FlowLoss:
-    """The velocity MSE of one example at a random noise level per modality (see the module docstring); with
-    probability `pure_video` the video is pure noise (sigma 1, the student's first state), so that only the text
-    can tell what it shows."""
+def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | None = None) -> FlowLoss:
+    """The velocity MSE of one example at a random noise level per modality (see the module docstring). An opening
+    clip's video is pure noise (sigma 1, the student's first state in a session's first phase): only the text can
+    tell what it shows, and its caption decides every pixel."""
     device = next(model.parameters()).device
     num_latents, _, lh, lw = ex.video.shape
     canvas = Canvas(width=lw * 16, height=lh * 16)
     x0_video = patchify(ex.video.to(device))  # [Tv, 96]
     x0_audio = ex.audio.to(device).reshape(-1, ex.audio.shape[-1])  # [2A, 32], left rows then right rows
     sigma_v, sigma_a = (shifted(torch.rand((), generator=generator), k).item() for k in (VIDEO_SHIFT, AUDIO_SHIFT))
-    if pure_video and torch.rand((), generator=generator).item() < pure_video:
+    if ex.opening:
         sigma_v = 1.0
     noise_v = torch.randn(x0_video.shape, generator=generator).to(device)
     noise_a = torch.randn(x0_audio.shape, generator=generator).to(device)
@@ -336,6 +356,8 @@ def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | Non
                              ex.text.to(device), layout, FullAttention(layout))
     loss_v = F.mse_loss(v_video.float(), x0_video - noise_v)
     loss_a = F.mse_loss(v_audio.float(), x0_audio - noise_a)
+    if ex.opening:
+        return FlowLoss(loss_v + loss_a, audio=loss_a.item(), opening=loss_v.item())
     return FlowLoss(loss_v + loss_a, loss_v.item(), loss_a.item())
 
 
@@ -373,11 +395,9 @@ def teacher_loss(model: DiT, ex: TeacherExample, generator: torch.Generator | No
     return FlowLoss(loss, teacher=loss.item())
 
 
-def example_loss(model: DiT, ex: Example | TeacherExample, pure_video: float = 0.0) -> FlowLoss:
+def example_loss(model: DiT, ex: Example | TeacherExample) -> FlowLoss:
     """The loss of an example of either kind."""
-    if isinstance(ex, TeacherExample):
-        return teacher_loss(model, ex)
-    return flow_matching_loss(model, ex, pure_video=pure_video)
+    return teacher_loss(model, ex) if isinstance(ex, TeacherExample) else flow_matching_loss(model, ex)
 
 
 @dataclass(frozen=True)
@@ -400,11 +420,14 @@ class DiTRunConfig:
     """DataLoader processes that render the clips (0: in the training process)."""
     teacher_docs: float = 0.5
     """Fraction of the examples that are audio teacher documents instead of clips."""
+    openings: float = 0.0
+    """Fraction of the clips that are opening clips, their video trained from pure noise."""
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.teacher_docs <= 1.0:
-            raise ValueError(f"teacher_docs={self.teacher_docs} is a fraction of the examples, in [0, 1]")
+        for name in ("teacher_docs", "openings"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} is a fraction of the examples, in [0, 1]")
 
 
 def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> TrainState:
@@ -416,8 +439,8 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
     torch.manual_seed(cfg.seed)
     state.load(state_dir, expect=dict(dims=cfg.dims, frames=cfg.frames))
     state_dir.mkdir(parents=True, exist_ok=True)
-    clips = iter(DataLoader(Clips(cfg.frames, TRAIN_SEED, cfg.distinct, cfg.teacher_docs), batch_size=None,
-                            sampler=IndexRange(state.step * cfg.accum), num_workers=cfg.workers,
+    clips = iter(DataLoader(Clips(cfg.frames, TRAIN_SEED, cfg.distinct, cfg.teacher_docs, cfg.openings),
+                            batch_size=None, sampler=IndexRange(state.step * cfg.accum), num_workers=cfg.workers,
                             pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
                             generator=torch.Generator()))  # its own: iterating must not draw from the resumed RNG
     started, seconds_before, window = time.monotonic(), state.seconds, []
@@ -496,6 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader processes that render the clips")
     parser.add_argument("--teacher-docs", type=float, default=0.5, metavar="P",
                         help="fraction of the examples that are audio teacher documents (default 0.5)")
+    parser.add_argument("--openings", type=float, default=0.0, metavar="P",
+                        help="fraction of the clips that are opening clips, video from pure noise (default 0)")
     parser.add_argument("--export", type=Path, help="write the EMA weights to EXPORT/FL2VA/transformer at the end")
     parser.add_argument("--export-only", action="store_true", help="export the saved state without training")
     args = parser.parse_args(argv)
@@ -507,13 +532,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.vae_root is None or args.encoder_root is None:
         parser.error("training needs --vae-root and --encoder-root")
-    if not 0.0 <= args.teacher_docs <= 1.0:
-        parser.error(f"--teacher-docs {args.teacher_docs}: a fraction of the examples, in [0, 1]")
+    for flag, value in (("--teacher-docs", args.teacher_docs), ("--openings", args.openings)):
+        if not 0.0 <= value <= 1.0:
+            parser.error(f"{flag} {value}: a fraction of the examples, in [0, 1]")
     torch.set_float32_matmul_precision("high")  # TF32 on CUDA; the bf16 path would take the serving Triton kernels
     cfg = DiTRunConfig(dims=args.dims, frames=args.frames, accum=args.accum, lr=args.lr, warmup=args.warmup,
                        minutes=args.minutes, max_steps=args.max_steps, save_every=args.save_every,
                        log_every=args.log_every, distinct=args.distinct, workers=args.workers,
-                       teacher_docs=args.teacher_docs)
+                       teacher_docs=args.teacher_docs, openings=args.openings)
     conditioner = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), args.frames,
                               cache=args.distinct is not None)
     state = train(cfg, conditioner, args.state)

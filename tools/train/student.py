@@ -354,7 +354,8 @@ class StudentRunConfig:
     base_accum: int = 4
     """Base examples (clips and audio teacher documents, `tools.train.dit`) per step with `train_base`."""
     teacher_docs: float = 0.5
-    pure_video: float = 0.25
+    openings: float = 0.5
+    """Of the base clips with `train_base`, the fraction that are opening clips (`tools.train.dit`)."""
 
 
 def build(base: Path, device: torch.device, cfg: StudentRunConfig) -> tuple[DiT, LoRAAdapter]:
@@ -397,7 +398,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                   prefetch_factor=4 if cfg.workers else None)
     clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct), sampler=IndexRange(state.step * cfg.sessions),
                             generator=torch.Generator(), **loader))
-    base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, TRAIN_SEED, cfg.distinct, cfg.teacher_docs),
+    base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, TRAIN_SEED, cfg.distinct, cfg.teacher_docs, cfg.openings),
                                  sampler=IndexRange(state.step * cfg.base_accum), generator=torch.Generator(),
                                  **loader)) if own else None
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -414,7 +415,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
             with adapter.suspended():  # the base's own objective, LoRA off
                 set_trainable(model, True)
                 for _ in range(cfg.base_accum):
-                    part = example_loss(model, cond.encode(next(base_clips)), cfg.pure_video)
+                    part = example_loss(model, cond.encode(next(base_clips)))
                     (part.total / cfg.base_accum).backward()
                     base_window.append({k: getattr(part, k) for k in LOSS_PARTS})
             set_trainable(model, True)
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
     for name in ("rank", "sessions", "lr", "warmup", "switch", "self_rollout", "minutes", "max_steps", "save_every",
-                 "log_every", "distinct", "workers", "base_lr", "base_accum", "teacher_docs", "pure_video"):
+                 "log_every", "distinct", "workers", "base_lr", "base_accum", "teacher_docs", "openings"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
@@ -503,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,
                            base_lr=args.base_lr, base_accum=args.base_accum, teacher_docs=args.teacher_docs,
-                           pure_video=args.pure_video)
+                           openings=args.openings)
     cond = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), SESSION_FRAMES,
                        cache=args.distinct is not None)
     state, adapter = train(cfg, args.base, cond, args.state)
