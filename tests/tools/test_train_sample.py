@@ -43,10 +43,37 @@ def test_a_frame_without_a_shape_reports_none():
     assert lk.colour == (-1, -1, -1) and lk.coverage == 0.0
 
 
-def test_spans_merge_the_chunks_of_one_phase_and_skip_non_media_frames():
+def test_spans_merge_the_chunks_of_one_phase_and_the_trailer_into_the_last():
     def chunk(i, kind, r, p, n):
         return ChunkStat(i, kind, r, p, n, 1, 0.0, 0.0, ())
     result = ClientResult(chunks=[chunk(0, "init", 0, 0, 0), chunk(1, "media", 0, 0, 13), chunk(2, "media", 0, 0, 26),
-                                  chunk(3, "media", 0, 1, 34), chunk(4, "media", 1, 0, 34)])
+                                  chunk(3, "media", 0, 1, 34), chunk(4, "media", 1, 0, 34),
+                                  chunk(5, "trailer", 1, 0, 5)])
     assert sample.spans_of(result) == [sample.Span(0, 0, 0, 39), sample.Span(0, 1, 39, 73),
-                                       sample.Span(1, 0, 73, 107)]
+                                       sample.Span(1, 0, 73, 112)]
+
+
+def _sample_processes() -> list[int]:
+    """Pids of services started on a sampling profile (their command lines name its temporary directory)."""
+    import pathlib
+    pids = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            if b"vitascope-sample-" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_sampling_a_tree_streams_its_first_request_and_leaves_no_service_running(tmp_path):
+    from services.checkpoints import write_tree
+    tree = write_tree("tiny", tmp_path / "tree")
+    s = sample.sample(tree, "a red circle standing still on a dark blue background, a low hum", [], 1, 0,
+                      str(tmp_path / "services.log"))
+    assert len(s.frames) >= 124 and s.frames.shape[1:] == (world.HEIGHT, world.WIDTH, 3)
+    assert [(sp.request, sp.phase) for sp in s.spans][:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert s.spans[-1].stop == len(s.frames) and s.sample_rate == world.SAMPLE_RATE
+    assert s.audio.shape[0] == 2 and s.audio.shape[1] >= 124 * world.SAMPLE_RATE // world.FPS * 0.95
+    assert _sample_processes() == []

@@ -38,7 +38,7 @@ LATER_REQUEST_FRAMES = 119
 
 @dataclass(frozen=True)
 class Span:
-    """Frames [start, stop) of the stream, and which request and phase they belong to."""
+    """Frames [start, stop) of the stream, and the request and phase of the chunks that delivered them."""
 
     request: int
     phase: int
@@ -92,11 +92,14 @@ def decode(data: bytes) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def spans_of(result: ClientResult) -> list[Span]:
-    """The frame range of every video chunk, in stream order (chunks of one phase merged)."""
+    """The frames each phase's chunks delivered, in stream order (chunks of one phase merged; the closing trailer,
+    the decoder's last frames, joins the phase it follows). A span is what a viewer sees between two chunks, so it
+    runs a few frames behind the phase's own frames (the video decoder holds back the last frames of each decode
+    until the next one)."""
     spans: list[Span] = []
     at = 0
     for c in result.chunks:
-        if c.kind != "media" or c.num_frames == 0:
+        if c.kind not in ("media", "trailer") or c.num_frames == 0:
             continue
         if spans and (spans[-1].request, spans[-1].phase) == (c.request_index, c.phase_index):
             last = spans.pop()
@@ -167,7 +170,7 @@ def sample(tree: pathlib.Path, prompt: str, updates: list[tuple[int, str]], requ
                 url=f"ws://127.0.0.1:{port}/v1/realtime/video", prompt=prompt, seconds=seconds, updates=sent,
                 seed=seed, width=320, height=192, hold=hold)))
         finally:
-            supervisor.stop()
+            supervisor.stop_all()
     if result.errors:
         raise RuntimeError(f"the session reported errors: {result.errors}")
     frames, audio, rate = decode(bytes(result.data))
