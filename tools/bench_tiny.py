@@ -55,12 +55,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_profile(base: pathlib.Path, workdir: pathlib.Path) -> tuple[pathlib.Path, int]:
-    """A copy of `base` on free ports with its own checkpoint directory; returns (path, gateway port)."""
+def write_profile(base: pathlib.Path, workdir: pathlib.Path,
+                  model_dir: pathlib.Path | None = None) -> tuple[pathlib.Path, int]:
+    """A copy of `base` on free ports; returns (path, gateway port). Its model is `model_dir` as it stands, or by
+    default a checkpoint of its own under `workdir`, written on first start."""
     raw = yaml.safe_load(base.read_text())
     raw["profile"] = f"{raw.get('profile', base.stem)}_bench"
-    raw["model"]["dir"] = str(workdir / "checkpoint")
-    raw["model"]["write_if_missing"] = True
+    raw["model"]["dir"] = str(model_dir.resolve() if model_dir else workdir / "checkpoint")
+    raw["model"]["write_if_missing"] = model_dir is None
     raw["endpoints"] = {name: f"127.0.0.1:{free_port()}" for name in ("encoder", "dit", "vae")}
     for stage in ("encoder", "dit", "vae"):
         raw.setdefault(stage, {})["metrics_port"] = 0

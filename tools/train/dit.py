@@ -41,7 +41,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -173,8 +173,7 @@ def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float 
         return _render_teacher(seed, scene, start, request, switched)
     rng = np.random.default_rng([seed, 1])
     if rng.random() < openings:
-        opening = _render_clip(seed, world.opening_scene(*world.sample_grammar(rng)), 0, frames)
-        return Clip(opening.seed, opening.caption, opening.frames, opening.wave, opening=True)
+        return replace(_render_clip(seed, world.opening_scene(*world.sample_grammar(rng)), 0, frames), opening=True)
     return _render_clip(seed, scene, start, frames)
 
 

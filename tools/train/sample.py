@@ -10,7 +10,7 @@ background, which is taken as the median colour), where it is, and the loudest f
 left/right balance. `--update K:PROMPT` sends PROMPT so that it applies from request K. `--sheet` writes a
 contact sheet: one row per request, frames across it.
 
-The measuring functions are what the meaning tests use (`tests/e2e/test_meaning.py`).
+The measuring functions are meant for the meaning tests on the shipped weights as well (docs/training.md).
 """
 from __future__ import annotations
 
@@ -25,15 +25,11 @@ from dataclasses import asdict, dataclass
 
 import av
 import numpy as np
-import yaml
 
 from services.client import ClientOptions, ClientResult, PromptUpdate, stream
-from tools.bench_tiny import bring_up_logged, request_start_s, write_profile
+from tools.bench_tiny import FPS, bring_up_logged, media_seconds_of, request_start_s, write_profile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-FPS = 24
-FIRST_REQUEST_FRAMES = 124
-LATER_REQUEST_FRAMES = 119
 
 
 @dataclass(frozen=True)
@@ -152,23 +148,18 @@ def sound_of(audio: np.ndarray, rate: int) -> tuple[float, float]:
 
 
 def sample(tree: pathlib.Path, prompt: str, updates: list[tuple[int, str]], requests: int, seed: int,
-           service_log: str, hold: bool = False) -> Stream:
+           service_log: str) -> Stream:
     """Bring the system up on `tree`, stream `requests` requests from `prompt`, each update (k, text) sent so that it
     applies from request k, and decode what came back."""
     with tempfile.TemporaryDirectory(prefix="vitascope-sample-") as tmp:
-        profile, port = write_profile(ROOT / "configs" / "tiny_cpu.yaml", pathlib.Path(tmp))
-        raw = yaml.safe_load(profile.read_text())
-        raw["model"]["dir"] = str(tree.resolve())
-        raw["model"]["write_if_missing"] = False
-        profile.write_text(yaml.safe_dump(raw))
+        profile, port = write_profile(ROOT / "configs" / "tiny_cpu.yaml", pathlib.Path(tmp), model_dir=tree)
         supervisor = bring_up_logged(profile, service_log)
         try:
             # An update sent during request k-1 (just after its first chunk arrives) applies from request k.
             sent = tuple(PromptUpdate(at_s=request_start_s(k - 1) + 0.01, prompt=text) for k, text in updates)
-            seconds = (FIRST_REQUEST_FRAMES + LATER_REQUEST_FRAMES * (requests - 1)) / FPS - 0.01
             result = asyncio.run(stream(ClientOptions(
-                url=f"ws://127.0.0.1:{port}/v1/realtime/video", prompt=prompt, seconds=seconds, updates=sent,
-                seed=seed, width=320, height=192, hold=hold)))
+                url=f"ws://127.0.0.1:{port}/v1/realtime/video", prompt=prompt,
+                seconds=media_seconds_of(requests) - 0.01, updates=sent, seed=seed, width=320, height=192)))
         finally:
             supervisor.stop_all()
     if result.errors:

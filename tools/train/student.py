@@ -51,7 +51,7 @@ from services.dit.stream.timeline import Timeline
 from tools.train import world
 from tools.train.dit import LOSS_PARTS, REQUEST_FRAMES, Clips, Conditioner, example_loss, window_means
 from tools.train.train_state import EMA, TrainState
-from tools.train.vae import HOP, TRAIN_SEED, IndexRange, encode_video, to_model_space
+from tools.train.vae import HOP, IndexRange, encode_video, to_model_space
 
 log = logging.getLogger("tools.train.student")
 
@@ -377,6 +377,17 @@ def set_trainable(model: DiT, train_base: bool) -> None:
         p.requires_grad_(is_lora(name) or train_base)
 
 
+def param_groups(model: DiT, cfg: StudentRunConfig) -> list[dict]:
+    """The optimizer's groups: the LoRA factors at `cfg.lr`, then (with `train_base`) the base's own at
+    `cfg.base_lr`; `peak` is each group's rate after the warm-up."""
+    lora = [p for n, p in model.named_parameters() if is_lora(n)]
+    groups = [dict(params=lora, lr=cfg.lr, peak=cfg.lr)]
+    if cfg.train_base:
+        own = [p for n, p in model.named_parameters() if not is_lora(n)]
+        groups.append(dict(params=own, lr=cfg.base_lr, peak=cfg.base_lr))
+    return groups
+
+
 def base_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base model's own state dict from that of the model with the LoRA installed (peft's `base_layer` names)."""
     return {k.replace(".base_layer.", "."): v for k, v in weights.items() if not is_lora(k)}
@@ -385,10 +396,7 @@ def base_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path) -> tuple[TrainState, LoRAAdapter]:
     device = cond.device
     model, adapter = build(base, device, cfg)
-    lora = [p for n, p in model.named_parameters() if is_lora(n)]
-    own = [p for n, p in model.named_parameters() if not is_lora(n)] if cfg.train_base else []
-    groups = [dict(params=lora, lr=cfg.lr, peak=cfg.lr)] + ([dict(params=own, lr=cfg.base_lr, peak=cfg.base_lr)]
-                                                            if own else [])
+    groups = param_groups(model, cfg)
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=0.0)
     state = TrainState(model, EMA(model, cfg.ema_decay), optimizer)
     torch.manual_seed(cfg.seed)
@@ -398,9 +406,10 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                   prefetch_factor=4 if cfg.workers else None)
     clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct), sampler=IndexRange(state.step * cfg.sessions),
                             generator=torch.Generator(), **loader))
-    base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, TRAIN_SEED, cfg.distinct, cfg.teacher_docs, cfg.openings),
+    base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, distinct=cfg.distinct, teacher_docs=cfg.teacher_docs,
+                                       openings=cfg.openings),
                                  sampler=IndexRange(state.step * cfg.base_accum), generator=torch.Generator(),
-                                 **loader)) if own else None
+                                 **loader)) if cfg.train_base else None
     generator = torch.Generator().manual_seed(cfg.seed)
     started, seconds_before, window, base_window = time.monotonic(), state.seconds, [], []
     while True:
@@ -419,9 +428,9 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                     (part.total / cfg.base_accum).backward()
                     base_window.append({k: getattr(part, k) for k in LOSS_PARTS})
             set_trainable(model, True)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(lora, 1.0))
-        if own:
-            torch.nn.utils.clip_grad_norm_(own, 1.0)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(groups[0]["params"], 1.0))
+        for group in groups[1:]:  # the base's gradients are clipped on their own scale
+            torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
         optimizer.step()
         state.step += 1
         state.ema.update(model, state.step)
@@ -460,10 +469,7 @@ def export_saved(state_dir: Path, base: Path, out: Path, rank: int, base_out: Pa
     """`export` of the state saved in `state_dir`, without training (`base_out`: a `--train-base` state's base)."""
     cfg = StudentRunConfig(rank=rank, train_base=base_out is not None)
     model, adapter = build(base, torch.device("cpu"), cfg)
-    lora = [p for n, p in model.named_parameters() if is_lora(n)]
-    groups = [dict(params=lora)] + ([dict(params=[p for n, p in model.named_parameters() if not is_lora(n)])]
-                                    if cfg.train_base else [])
-    state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(groups))
+    state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(param_groups(model, cfg)))
     if state.load(state_dir, expect=dict(rank=rank, train_base=cfg.train_base)) is None:
         raise FileNotFoundError(f"no saved state in {state_dir}")
     return export(state, adapter, out, base_out)
