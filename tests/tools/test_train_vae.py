@@ -57,3 +57,25 @@ def test_a_state_of_another_kind_is_refused(tmp_path):
     trainer.train(cfg, tmp_path, "cpu")
     with pytest.raises(ValueError, match="holds a run with {'dims': 'tiny'}"):
         trainer.train(replace(cfg, dims="trained"), tmp_path, "cpu")
+
+
+def test_a_run_continued_with_a_frozen_encoder_keeps_the_latents_and_trains_the_decoder(tmp_path):
+    cfg = trainer.RunConfig(kind="audio", dims="tiny", batch=1, lr=2e-3, warmup=1, max_steps=2, log_every=1,
+                            workers=0, distinct=2, audio_latents=8)
+    first = trainer.train(cfg, tmp_path / "state", "cpu")
+    trainer.export("audio", "tiny", first.ema, tmp_path / "before", "cpu", windows=1)
+    before = {k: v.clone() for k, v in first.ema.shadow.items()}
+
+    later = trainer.train(replace(cfg, max_steps=5, freeze_encoder=True), tmp_path / "state", "cpu")
+    trainer.export("audio", "tiny", later.ema, tmp_path / "after", "cpu", windows=1)
+    encoder = [k for k in before if k.startswith(trainer.ENCODER_SIDE["audio"])]
+    decoder = [k for k in before if k.startswith(("decoder.", "dec_in_proj."))]
+    assert encoder and decoder
+    for k in encoder:
+        assert torch.equal(later.ema.shadow[k], before[k]), k
+        assert torch.equal(later.model.state_dict()[k], before[k]), k
+    assert any(not torch.equal(later.ema.shadow[k], before[k]) for k in decoder)
+    stats = [json.loads((tmp_path / root / "audio_vae" / "config.json").read_text()) for root in ("before", "after")]
+    assert stats[0]["latents_mean"] == stats[1]["latents_mean"]
+    assert stats[0]["latents_std"] == stats[1]["latents_std"]
+

@@ -24,6 +24,10 @@ square. The pipeline only ever decodes the mean (the log-std head is never evalu
 collapsed the first GPU run: the posterior noise (std ~1 at the start) drowned the means (~0.01), the decoder learnt
 one buzz for every input, and the KL then pulled the means to nothing (latent std 0.002-0.017).
 
+`--freeze-encoder` continues a run on the decoder alone: the encoder side takes its EMA weights and stops
+learning, so the latents (and their statistics) stay those of the export a DiT is already training on, while the
+decoder goes on improving beside it.
+
 Export sets `latents_mean` / `latents_std` in the written config to the per-channel statistics of the posterior
 mean on held-out windows, so the normalised latents the DiT works in have zero mean and unit variance per channel.
 """
@@ -71,6 +75,10 @@ DIMS: dict[str, dict[str, dict]] = {
 VIDEO_WINDOW_FRAMES = 22  # clip_length + frame_overlap: 7 latents
 AUDIO_WINDOW_LATENTS = 64
 HOP = 800  # audio samples per latent
+ENCODER_SIDE = {  # parameter-name prefixes of what makes the latents (the rest decodes them)
+    "video": ("encoder.", "quant_conv."),
+    "audio": ("encoder.", "pre_block.", "mean_proj.", "logs_proj."),
+}
 TRAIN_SEED, HELD_OUT_SEED = 0, 1 << 30  # sample i of a run uses seed base + i; held-out seeds never meet training
 _STFT_SIZES = (2048, 1024, 512, 256)
 
@@ -292,6 +300,8 @@ class RunConfig:
     audio_latents: int = AUDIO_WINDOW_LATENTS
     seed: int = 0
     """Seeds the initial weights (and the first run's posterior noise)."""
+    freeze_encoder: bool = False
+    """Train the decoder only, the encoder side held at its EMA weights (`freeze_encoder`)."""
 
 
 def _dataset(cfg: RunConfig) -> Dataset:
@@ -318,10 +328,23 @@ def load_state(cfg: RunConfig, state_dir: Path, device: str | torch.device) -> T
     return state
 
 
+@torch.no_grad()
+def freeze_encoder(state: TrainState, kind: str) -> None:
+    """Hold the encoder side of `state.model` at its EMA weights from now on: the live weights take the EMA's and
+    stop taking gradients (AdamW skips them), and the EMA's lerp towards equal weights then leaves them as they are.
+    The exported encoder, and so the latents a DiT trains on, no longer change."""
+    for name, param in state.model.named_parameters():
+        if name.startswith(ENCODER_SIDE[kind]):
+            param.copy_(state.ema.shadow[name].to(param.dtype))
+            param.requires_grad_(False)
+
+
 def train(cfg: RunConfig, state_dir: Path, device: str | torch.device) -> TrainState:
     """Run (or resume) training until `cfg.minutes` or `cfg.max_steps`; save the state; return it."""
     device = torch.device(device)
     state = load_state(cfg, state_dir, device)
+    if cfg.freeze_encoder:
+        freeze_encoder(state, cfg.kind)
     model, optimizer = state.model, state.optimizer
     loader = DataLoader(_dataset(cfg), batch_size=cfg.batch, sampler=IndexRange(state.step * cfg.batch),
                         num_workers=cfg.workers, pin_memory=device.type == "cuda", drop_last=True,
@@ -423,13 +446,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--audio-latents", type=int, default=AUDIO_WINDOW_LATENTS)
     parser.add_argument("--stat-windows", type=int, default=32, help="held-out windows for the latent statistics")
     parser.add_argument("--export-only", action="store_true", help="export the saved state's EMA weights, no training")
+    parser.add_argument("--freeze-encoder", action="store_true",
+                        help="train the decoder only; the encoder keeps its EMA weights, so the latents stay put")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     cfg = RunConfig(kind=args.kind, dims=args.dims, batch=args.batch, lr=args.lr, beta=args.beta, warmup=args.warmup,
                     minutes=args.minutes, max_steps=args.max_steps, save_every=args.save_every,
                     log_every=args.log_every, workers=args.workers, distinct=args.distinct,
-                    crop=tuple(args.crop) if args.crop else None, audio_latents=args.audio_latents)
+                    crop=tuple(args.crop) if args.crop else None, audio_latents=args.audio_latents,
+                    freeze_encoder=args.freeze_encoder)
     state = load_state(cfg, args.state, args.device) if args.export_only else train(cfg, args.state, args.device)
     export(args.kind, args.dims, state.ema, args.export, args.device, args.stat_windows, cfg.crop)
 

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The whole tiny model from nothing on one GPU: the VAEs, the base DiT and the LoRA student, as one background job
+# that outlives the device call that starts it (each call is at most 10 minutes; the job needs about 25).
+#
+#   W=<work dir> ENCODER_ROOT=<tiny MiniMax-H3 tree> tools/train/run_from_scratch_gpu.sh start
+#   W=<work dir> OUT=<results dir> WAIT=<seconds> tools/train/run_from_scratch_gpu.sh collect
+#
+# `start` detaches the job (setsid) and returns. `collect` waits WAIT seconds or until the job is done, whichever
+# comes first, then copies what exists into $OUT: vae.tar (the final VAEs), dit.tar (the base after stage 2, the
+# student's LoRA and base), logs.tar, and the DiT trainers' resumable states.
+# Each call that collects keeps the machine busy, so the job goes on; the results of every stage reached come
+# back with the next collect, so a lost machine loses only the stage in flight.
+#
+# Stages (knobs in minutes):
+#   1. the video and audio VAEs side by side for VAE_MIN; exported to $W/vae_root, the latents the DiT trains on;
+#   2. the decoders go on alone (--freeze-encoder, the latents fixed) for DEC_MIN, beside the base DiT trained from
+#      random weights for BASE_MIN (teacher documents TEACHER_DOCS, opening clips OPENINGS of the clips);
+#   3. the joint student (--train-base --openings JOINT_OPENINGS) from that base for JOINT_MIN; its LoRA and base
+#      exported to $W/export/lora and $W/export/base.
+# $W/progress names the last stage begun; $W/done holds the job's exit status when it ends. Knobs: PY, BASE_LR,
+# BASE_ACCUM, LR (the student's), SESSIONS, VIDEO_BATCH, AUDIO_BATCH, *_WORKERS (small values make a CPU smoke run).
+set -uo pipefail
+: "${W:?set W to the work directory}"
+cmd=${1:?start or collect}
+PY=${PY:-python3}
+
+stage() { echo "$(date -u +%T) $1" | tee -a "$W/progress"; }
+
+job() {
+    set -x
+    local vae_state=$W/state/vae_video aud_state=$W/state/vae_audio vae_root=$W/vae_root
+    stage "1 vaes"
+    "$PY" -m tools.train.vae --kind video --state "$vae_state" --export "$vae_root" --minutes "${VAE_MIN:-4.5}" \
+        --batch "${VIDEO_BATCH:-8}" --lr 4e-4 --workers "${VIDEO_WORKERS:-8}" > "$W/logs/vae_video.log" 2>&1 &
+    local video=$!
+    "$PY" -m tools.train.vae --kind audio --state "$aud_state" --export "$vae_root" --minutes "${VAE_MIN:-4.5}" \
+        --batch "${AUDIO_BATCH:-16}" --lr 3e-4 --workers "${AUDIO_WORKERS:-4}" > "$W/logs/vae_audio.log" 2>&1 &
+    local audio=$!
+    wait $video && wait $audio || return 1
+
+    stage "2 base + decoders"
+    local dec_root=$W/export/vae
+    "$PY" -m tools.train.vae --kind video --state "$vae_state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
+        --batch "${VIDEO_BATCH:-8}" --lr 4e-4 --workers 4 --freeze-encoder > "$W/logs/dec_video.log" 2>&1 &
+    video=$!
+    "$PY" -m tools.train.vae --kind audio --state "$aud_state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
+        --batch "${AUDIO_BATCH:-16}" --lr 3e-4 --workers 2 --freeze-encoder > "$W/logs/dec_audio.log" 2>&1 &
+    audio=$!
+    "$PY" -m tools.train.dit --vae-root "$vae_root" --encoder-root "$ENCODER_ROOT" --state "$W/state/base" \
+        --minutes "${BASE_MIN:-9}" --accum "${BASE_ACCUM:-8}" --lr "${BASE_LR:-6e-4}" --warmup 100 \
+        --workers "${BASE_WORKERS:-8}" --teacher-docs "${TEACHER_DOCS:-0.5}" --openings "${OPENINGS:-0.5}" \
+        --save-every 100 --export "$W/export/base_stage2" > "$W/logs/base.log" 2>&1 || return 1
+    stage "3 joint student"
+    "$PY" -m tools.train.student --base "$W/export/base_stage2/FL2VA/transformer" --vae-root "$vae_root" \
+        --encoder-root "$ENCODER_ROOT" --state "$W/state/joint" --minutes "${JOINT_MIN:-8.5}" \
+        --sessions "${SESSIONS:-8}" --lr "${LR:-1e-3}" --workers "${JOINT_WORKERS:-10}" --log-every 5 \
+        --save-every 25 --train-base --openings "${JOINT_OPENINGS:-0.5}" --export "$W/export/lora" \
+        --export-base "$W/export/base" > "$W/logs/joint.log" 2>&1 || return 1
+    wait $video && wait $audio || return 1
+    stage "done"
+}
+
+case $cmd in
+start)
+    : "${ENCODER_ROOT:?set ENCODER_ROOT to the tiny MiniMax-H3 tree (text_encoder/, tokenizer/)}"
+    mkdir -p "$W/logs" "$W/state" "$W/export"
+    rm -f "$W/done" "$W/progress"
+    export PYTHONUNBUFFERED=1 W ENCODER_ROOT PY
+    export -f job stage
+    setsid bash -c 'job > "$W/logs/job.log" 2>&1; echo $? > "$W/done"' < /dev/null &
+    sleep 2
+    cat "$W/progress" 2>/dev/null
+    ;;
+collect)
+    : "${OUT:?set OUT to the results directory}"
+    end=$(( $(date +%s) + ${WAIT:-0} ))
+    while [ ! -f "$W/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    cat "$W/progress"
+    [ -f "$W/done" ] && echo "job exit $(cat "$W/done")"
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+    tail -n 2 "$W"/logs/*.log
+    # under the 16 MiB a returned file may hold: the VAEs (13 MB) apart from the DiT's exports
+    tar -C "$W/export" -cf "$OUT/vae.tar" $(cd "$W/export" && ls -d vae 2>/dev/null)
+    tar -C "$W/export" -cf "$OUT/dit.tar" $(cd "$W/export" && ls -d base_stage2 base lora 2>/dev/null)
+    tar -C "$W" -cf "$OUT/logs.tar" logs progress $(cd "$W" && ls state/*/log.jsonl 2>/dev/null)
+    for s in base joint; do [ -f "$W/state/$s/state.pt" ] && cp "$W/state/$s/state.pt" "$OUT/$s.state.pt"; done
+    ls -la "$OUT"
+    ;;
+*)
+    echo "usage: $0 start|collect" >&2
+    exit 2
+    ;;
+esac
