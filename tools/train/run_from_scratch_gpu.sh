@@ -6,10 +6,11 @@
 #   W=<work dir> OUT=<results dir> WAIT=<seconds> tools/train/run_from_scratch_gpu.sh collect
 #
 # `start` detaches the job (setsid) and returns. `collect` waits WAIT seconds or until the job is done, whichever
-# comes first, then copies what exists into $OUT: vae.tar (the final VAEs), dit.tar (the base after stage 2, the
+# comes first, then copies what exists into $OUT: vae_root.tar (stage 1's VAEs), vae.tar (the final VAEs), dit.tar (the base after stage 2, the
 # student's LoRA and base), logs.tar, and the DiT trainers' resumable states.
-# Each call that collects keeps the machine busy, so the job goes on; the results of every stage reached come
-# back with the next collect, so a lost machine loses only the stage in flight.
+# Each call that collects keeps the machine busy, so the job goes on. A call that starts with FROM=<a folder of what
+# an earlier call returned> carries on from there (carry_in, below): a lost machine loses only the time since the
+# last collect, and a run can span calls that each stand alone.
 #
 # Stages (knobs in minutes):
 #   1. the video and audio VAEs side by side for VAE_MIN; exported to $W/vae_root, the latents the DiT trains on;
@@ -24,40 +25,79 @@ set -uo pipefail
 cmd=${1:?start or collect}
 PY=${PY:-python3}
 
+# the decoders of stage 2 both exported (a half-written $W/export/vae is not the final VAEs)
+vaes_done() { [ -f "$W/state/video_done" ] && [ -f "$W/state/audio_done" ]; }
+
 stage() { echo "$(date -u +%T) $1" | tee -a "$W/progress"; }
 
 job() {
     set -x
-    local vae_state=$W/state/vae_video aud_state=$W/state/vae_audio vae_root=$W/vae_root
-    stage "1 vaes"
-    "$PY" -m tools.train.vae --kind video --state "$vae_state" --export "$vae_root" --minutes "${VAE_MIN:-4.5}" \
-        --batch "${VIDEO_BATCH:-8}" --lr 4e-4 --workers "${VIDEO_WORKERS:-8}" > "$W/logs/vae_video.log" 2>&1 &
-    local video=$!
-    "$PY" -m tools.train.vae --kind audio --state "$aud_state" --export "$vae_root" --minutes "${VAE_MIN:-4.5}" \
-        --batch "${AUDIO_BATCH:-16}" --lr 3e-4 --workers "${AUDIO_WORKERS:-4}" > "$W/logs/vae_audio.log" 2>&1 &
-    local audio=$!
-    wait $video && wait $audio || return 1
+    local vae_state=$W/state/vae_video aud_state=$W/state/vae_audio vae_root=$W/vae_root dec_root=$W/export/vae
+    local video="" audio=""
+    if vaes_done; then
+        vae_root=$W/export/vae  # the final VAEs: the same encoder and latent statistics as stage 1's
+    elif [ -d "$W/vae_root" ]; then
+        stage "1 vaes (carried)"
+    else
+        stage "1 vaes"
+        "$PY" -m tools.train.vae --kind video --state "$vae_state" --export "$vae_root" --minutes "${VAE_MIN:-4.5}" \
+            --batch "${VIDEO_BATCH:-8}" --lr 4e-4 --workers "${VIDEO_WORKERS:-8}" > "$W/logs/vae_video.log" 2>&1 &
+        video=$!
+        "$PY" -m tools.train.vae --kind audio --state "$aud_state" --export "$vae_root" --minutes "${VAE_MIN:-4.5}" \
+            --batch "${AUDIO_BATCH:-16}" --lr 3e-4 --workers "${AUDIO_WORKERS:-4}" > "$W/logs/vae_audio.log" 2>&1 &
+        audio=$!
+        wait $video && wait $audio || return 1
+    fi
 
-    stage "2 base + decoders"
-    local dec_root=$W/export/vae
-    "$PY" -m tools.train.vae --kind video --state "$vae_state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
-        --batch "${VIDEO_BATCH:-8}" --lr 4e-4 --workers 4 --freeze-encoder > "$W/logs/dec_video.log" 2>&1 &
-    video=$!
-    "$PY" -m tools.train.vae --kind audio --state "$aud_state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
-        --batch "${AUDIO_BATCH:-16}" --lr 3e-4 --workers 2 --freeze-encoder > "$W/logs/dec_audio.log" 2>&1 &
-    audio=$!
-    "$PY" -m tools.train.dit --vae-root "$vae_root" --encoder-root "$ENCODER_ROOT" --state "$W/state/base" \
-        --minutes "${BASE_MIN:-9}" --accum "${BASE_ACCUM:-8}" --lr "${BASE_LR:-6e-4}" --warmup 100 \
-        --workers "${BASE_WORKERS:-8}" --teacher-docs "${TEACHER_DOCS:-0.5}" --openings "${OPENINGS:-0.5}" \
-        --save-every 100 --export "$W/export/base_stage2" > "$W/logs/base.log" 2>&1 || return 1
+    if [ ! -d "$W/export/base_stage2" ]; then
+        stage "2 base + decoders"
+        if vaes_done; then
+            :
+        elif [ -f "$vae_state/state.pt" ]; then
+            { "$PY" -m tools.train.vae --kind video --state "$vae_state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
+                --batch "${VIDEO_BATCH:-8}" --lr 4e-4 --workers 4 --freeze-encoder > "$W/logs/dec_video.log" 2>&1 &&
+                touch "$W/state/video_done"; } &
+            video=$!
+            { "$PY" -m tools.train.vae --kind audio --state "$aud_state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
+                --batch "${AUDIO_BATCH:-16}" --lr 3e-4 --workers 2 --freeze-encoder > "$W/logs/dec_audio.log" 2>&1 &&
+                touch "$W/state/audio_done"; } &
+            audio=$!
+        else
+            rm -rf "$dec_root"  # carried stage-1 VAEs without their states: they are the final ones
+            cp -r "$vae_root" "$dec_root" && touch "$W/state/video_done" "$W/state/audio_done"
+        fi
+        "$PY" -m tools.train.dit --vae-root "$vae_root" --encoder-root "$ENCODER_ROOT" --state "$W/state/base" \
+            --minutes "${BASE_MIN:-9}" --accum "${BASE_ACCUM:-8}" --lr "${BASE_LR:-6e-4}" --warmup 100 \
+            --workers "${BASE_WORKERS:-8}" --teacher-docs "${TEACHER_DOCS:-0.5}" --openings "${OPENINGS:-0.5}" \
+            --save-every 100 --export "$W/export/base_stage2" > "$W/logs/base.log" 2>&1 || return 1
+    fi
     stage "3 joint student"
     "$PY" -m tools.train.student --base "$W/export/base_stage2/FL2VA/transformer" --vae-root "$vae_root" \
         --encoder-root "$ENCODER_ROOT" --state "$W/state/joint" --minutes "${JOINT_MIN:-8.5}" \
         --sessions "${SESSIONS:-8}" --lr "${LR:-1e-3}" --workers "${JOINT_WORKERS:-10}" --log-every 5 \
         --save-every 25 --train-base --openings "${JOINT_OPENINGS:-0.5}" --export "$W/export/lora" \
         --export-base "$W/export/base" > "$W/logs/joint.log" 2>&1 || return 1
-    wait $video && wait $audio || return 1
+    if [ -n "$video" ]; then wait $video && wait $audio || return 1; fi
     stage "done"
+}
+
+# Put what an earlier call returned ($FROM: vae_root.tar, vae.tar, dit.tar, base.state.pt, joint.state.pt, any of
+# them) where the job finds it: a stage whose result is there is skipped, a trainer whose state is there resumes.
+carry_in() {
+    local f
+    for f in vae_root vae dit; do
+        [ -f "$FROM/$f.tar" ] || continue
+        case $f in
+        vae_root) tar -C "$W" -xf "$FROM/$f.tar" ;;
+        vae) tar -C "$W/export" -xf "$FROM/$f.tar" && touch "$W/state/video_done" "$W/state/audio_done" ;;
+        dit) tar -C "$W/export" -xf "$FROM/$f.tar" ;;
+        esac
+    done
+    rm -rf "$W/export/base" "$W/export/lora"  # the student's exports are remade from its state
+    for f in base joint; do
+        [ -f "$FROM/$f.state.pt" ] && mkdir -p "$W/state/$f" && cp "$FROM/$f.state.pt" "$W/state/$f/state.pt"
+    done
+    return 0
 }
 
 case $cmd in
@@ -65,8 +105,9 @@ start)
     : "${ENCODER_ROOT:?set ENCODER_ROOT to the tiny MiniMax-H3 tree (text_encoder/, tokenizer/)}"
     mkdir -p "$W/logs" "$W/state" "$W/export"
     rm -f "$W/done" "$W/progress"
+    [ -n "${FROM:-}" ] && carry_in
     export PYTHONUNBUFFERED=1 W ENCODER_ROOT PY
-    export -f job stage
+    export -f job stage vaes_done
     setsid bash -c 'job > "$W/logs/job.log" 2>&1; echo $? > "$W/done"' < /dev/null &
     sleep 2
     cat "$W/progress" 2>/dev/null
@@ -80,8 +121,10 @@ collect)
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
     tail -n 2 "$W"/logs/*.log
     # under the 16 MiB a returned file may hold: the VAEs (13 MB) apart from the DiT's exports
-    tar -C "$W/export" -cf "$OUT/vae.tar" $(cd "$W/export" && ls -d vae 2>/dev/null)
-    tar -C "$W/export" -cf "$OUT/dit.tar" $(cd "$W/export" && ls -d base_stage2 base lora 2>/dev/null)
+    [ -d "$W/vae_root" ] && tar -C "$W" -cf "$OUT/vae_root.tar" vae_root
+    vaes_done && tar -C "$W/export" -cf "$OUT/vae.tar" vae
+    dit=$(cd "$W/export" && ls -d base_stage2 base lora 2>/dev/null)
+    [ -n "$dit" ] && tar -C "$W/export" -cf "$OUT/dit.tar" $dit
     tar -C "$W" -cf "$OUT/logs.tar" logs progress $(cd "$W" && ls state/*/log.jsonl 2>/dev/null)
     for s in base joint; do [ -f "$W/state/$s/state.pt" ] && cp "$W/state/$s/state.pt" "$OUT/$s.state.pt"; done
     ls -la "$OUT"
