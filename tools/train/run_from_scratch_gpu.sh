@@ -6,8 +6,9 @@
 #   W=<work dir> OUT=<results dir> WAIT=<seconds> tools/train/run_from_scratch_gpu.sh collect
 #
 # `start` detaches the job (setsid) and returns. `collect` waits WAIT seconds or until the job is done, whichever
-# comes first, then copies what exists into $OUT: vae_root.tar (stage 1's VAEs), vae.tar (the final VAEs), dit.tar (the base after stage 2, the
-# student's LoRA and base), logs.tar, and the DiT trainers' resumable states.
+# comes first, then copies what exists into $OUT: vae_root.tar (stage 1's VAEs), vae.tar (the final VAEs), dit.tar
+# (the base after stage 2, the student's LoRA and base), logs.tar, and the trainers' resumable states (the VAEs'
+# in parts of 15 MiB, NAME.state.pt.partNN, until the VAEs are done).
 # Each call that collects keeps the machine busy, so the job goes on. A call that starts with FROM=<a folder of what
 # an earlier call returned> carries on from there (carry_in, below): a lost machine loses only the time since the
 # last collect, and a run can span calls that each stand alone.
@@ -81,8 +82,8 @@ job() {
     stage "done"
 }
 
-# Put what an earlier call returned ($FROM: vae_root.tar, vae.tar, dit.tar, base.state.pt, joint.state.pt, any of
-# them) where the job finds it: a stage whose result is there is skipped, a trainer whose state is there resumes.
+# Put what an earlier call returned ($FROM: vae_root.tar, vae.tar or vae/ unpacked, dit.tar, base.state.pt,
+# joint.state.pt, any of them) where the job finds it: a stage whose result is there is skipped, a trainer whose state is there resumes.
 carry_in() {
     local f
     for f in vae_root vae dit; do
@@ -93,9 +94,16 @@ carry_in() {
         dit) tar -C "$W/export" -xf "$FROM/$f.tar" ;;
         esac
     done
+    if [ -d "$FROM/vae" ]; then  # the final VAEs unpacked, as a run in progress keeps them in git
+        cp -r "$FROM/vae" "$W/export/vae" && touch "$W/state/video_done" "$W/state/audio_done"
+    fi
     rm -rf "$W/export/base" "$W/export/lora"  # the student's exports are remade from its state
-    for f in base joint; do
-        [ -f "$FROM/$f.state.pt" ] && mkdir -p "$W/state/$f" && cp "$FROM/$f.state.pt" "$W/state/$f/state.pt"
+    for f in vae_video vae_audio base joint; do
+        if [ ! -f "$FROM/$f.state.pt" ] && [ -f "$FROM/$f.state.pt.part00" ]; then
+            mkdir -p "$W/state/$f" && cat "$FROM/$f.state.pt".part* > "$W/state/$f/state.pt"
+        elif [ -f "$FROM/$f.state.pt" ]; then
+            mkdir -p "$W/state/$f" && cp "$FROM/$f.state.pt" "$W/state/$f/state.pt"
+        fi
     done
     return 0
 }
@@ -126,7 +134,13 @@ collect)
     dit=$(cd "$W/export" && ls -d base_stage2 base lora 2>/dev/null)
     [ -n "$dit" ] && tar -C "$W/export" -cf "$OUT/dit.tar" $dit
     tar -C "$W" -cf "$OUT/logs.tar" logs progress $(cd "$W" && ls state/*/log.jsonl 2>/dev/null)
+    # the trainers' states; the VAEs' (24-29 MB) only while their stages are not done, in parts under 16 MiB
     for s in base joint; do [ -f "$W/state/$s/state.pt" ] && cp "$W/state/$s/state.pt" "$OUT/$s.state.pt"; done
+    if ! vaes_done; then
+        for s in vae_video vae_audio; do
+            [ -f "$W/state/$s/state.pt" ] && split -d -b 15M "$W/state/$s/state.pt" "$OUT/$s.state.pt.part"
+        done
+    fi
     ls -la "$OUT"
     ;;
 *)
