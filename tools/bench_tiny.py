@@ -1,4 +1,4 @@
-"""Tiny-preset benchmark on this machine: `.venv/bin/python -m tools.bench_tiny [--requests 6]`.
+"""Tiny-preset benchmark on this machine: `.venv/bin/python -m tools.bench_tiny [--requests 6] [--tree DIR]`.
 
 Brings the four services up on a copy of the tiny CPU profile (free ports, a temporary checkpoint directory,
 service logs to a file), streams one session of N 5-second requests through the client library with a new
@@ -186,6 +186,8 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=2, help="short sessions after it (warm time to first chunk)")
     parser.add_argument("--profile", type=pathlib.Path, default=ROOT / "configs" / "tiny_cpu.yaml")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--tree", type=pathlib.Path,
+                        help="time this checkpoint tree as it stands (e.g. trained weights) instead of a fresh one")
     parser.add_argument("--service-log", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir())
                         / "bench_tiny_services.log", help="where the services' output goes")
     args = parser.parse_args()
@@ -193,10 +195,12 @@ def main() -> int:
         parser.error(f"--requests={args.requests}: need at least 2 (one prompt update)")
     if args.warm < 1:
         parser.error(f"--warm={args.warm}: need at least 1")
+    if args.tree is not None and not (args.tree / "COMPLETE").is_file():
+        parser.error(f"--tree={args.tree}: not a complete checkpoint tree (no COMPLETE file)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_tiny_") as tmp:
-        profile, port = write_profile(args.profile, pathlib.Path(tmp))
+        profile, port = write_profile(args.profile, pathlib.Path(tmp), model_dir=args.tree)
         url, http_url = f"ws://127.0.0.1:{port}/v1/realtime/video", f"http://127.0.0.1:{port}"
         started = time.monotonic()
         supervisor = bring_up_logged(profile, args.service_log)

@@ -35,6 +35,8 @@ job() {
     set -x
     local vae_state=$W/state/vae_video aud_state=$W/state/vae_audio vae_root=$W/vae_root dec_root=$W/export/vae
     local video="" audio=""
+    # wait for stage 2's decoders, if they run, so that the job ends only once their exports are whole
+    decoders() { if [ -n "$video" ]; then wait $video && wait $audio; fi; }
     if vaes_done; then
         vae_root=$W/export/vae  # the final VAEs: the same encoder and latent statistics as stage 1's
     elif [ -d "$W/vae_root" ]; then
@@ -70,15 +72,15 @@ job() {
         "$PY" -m tools.train.dit --vae-root "$vae_root" --encoder-root "$ENCODER_ROOT" --state "$W/state/base" \
             --minutes "${BASE_MIN:-9}" --accum "${BASE_ACCUM:-8}" --lr "${BASE_LR:-6e-4}" --warmup 100 \
             --workers "${BASE_WORKERS:-8}" --teacher-docs "${TEACHER_DOCS:-0.5}" --openings "${OPENINGS:-0.5}" \
-            --save-every 100 --export "$W/export/base_stage2" > "$W/logs/base.log" 2>&1 || return 1
+            --save-every 100 --export "$W/export/base_stage2" > "$W/logs/base.log" 2>&1 || { decoders; return 1; }
     fi
     stage "3 joint student"
     "$PY" -m tools.train.student --base "$W/export/base_stage2/FL2VA/transformer" --vae-root "$vae_root" \
         --encoder-root "$ENCODER_ROOT" --state "$W/state/joint" --minutes "${JOINT_MIN:-8.5}" \
         --sessions "${SESSIONS:-8}" --lr "${LR:-1e-3}" --workers "${JOINT_WORKERS:-10}" --log-every 5 \
         --save-every 25 --train-base --openings "${JOINT_OPENINGS:-0.5}" --export "$W/export/lora" \
-        --export-base "$W/export/base" > "$W/logs/joint.log" 2>&1 || return 1
-    if [ -n "$video" ]; then wait $video && wait $audio || return 1; fi
+        --export-base "$W/export/base" > "$W/logs/joint.log" 2>&1 || { decoders; return 1; }
+    decoders || return 1
     stage "done"
 }
 

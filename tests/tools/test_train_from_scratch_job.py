@@ -1,0 +1,136 @@
+"""The from-scratch training job (tools/train/run_from_scratch_gpu.sh) decides which trainer runs, from what and in
+what order, and what comes back. These tests run the real script with PY set to a stand-in interpreter that
+records each trainer call (its module and arguments, and the bytes of the state it was handed) and writes what
+that trainer would leave behind, so the script's decisions are checked in a second, not in the GPU's 25 minutes:
+a fresh job runs every stage in order; a call that carries an earlier call's results skips the stages they
+finish and hands each trainer its state; the VAEs' states come back in parts that fit a returned file and rejoin
+to the same bytes."""
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "train" / "run_from_scratch_gpu.sh"
+PART_LIMIT = 16 * 1024 * 1024  # what one returned file may hold
+
+# The stand-in: `PY -m tools.train.<trainer> ...`. It logs the call, then behaves as the trainer would on disk:
+# a resumed state is kept, a new one is written (STATE_MB of bytes for a VAE), --export gets the trainer's layout;
+# a trainer named in FAIL exits 1 after saving its state.
+STAND_IN = r'''#!{python}
+import hashlib, json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+module = args[1]
+opts = {{}}
+for i, a in enumerate(args):
+    if a.startswith("--"):
+        opts[a] = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else True
+trainer = module.rsplit(".", 1)[1]
+state = Path(opts["--state"]) / "state.pt"
+handed = hashlib.sha256(state.read_bytes()).hexdigest() if state.is_file() else None
+with open(os.environ["CALLS"], "a") as log:
+    log.write(json.dumps({{"trainer": trainer, "kind": opts.get("--kind"), "freeze": "--freeze-encoder" in opts,
+                          "handed": handed, "opts": opts}}) + "\n")
+state.parent.mkdir(parents=True, exist_ok=True)
+if handed is None:
+    size = int(float(os.environ.get("STATE_MB", "1")) * 1024 * 1024) if trainer == "vae" else 4096
+    state.write_bytes(os.urandom(size))
+if trainer in os.environ.get("FAIL", "").split(","):
+    sys.exit(1)  # a crash after the state was saved, before the export
+for key in ("--export", "--export-base"):
+    if key in opts:
+        out = Path(opts[key])
+        if trainer == "vae":
+            out = out / ("vae" if opts["--kind"] == "video" else "audio_vae")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(trainer)
+'''
+
+
+def _stand_in(tmp_path: Path) -> Path:
+    path = tmp_path / "fake_python"
+    path.write_text(STAND_IN.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def _run(tmp_path: Path, name: str, **env: str) -> tuple[list[dict], Path, str]:
+    """Start the job and collect it once it ends; returns (trainer calls, the results folder, collect's output)."""
+    work, out = tmp_path / name, tmp_path / f"{name}_out"
+    out.mkdir()
+    calls = tmp_path / f"{name}_calls.jsonl"
+    base = {**os.environ, "W": str(work), "ENCODER_ROOT": str(tmp_path / "enc"), "PY": str(_stand_in(tmp_path)),
+            "CALLS": str(calls), **env}
+    subprocess.run(["bash", str(SCRIPT), "start"], env=base, check=True, capture_output=True, timeout=60)
+    done = subprocess.run(["bash", str(SCRIPT), "collect"], env={**base, "OUT": str(out), "WAIT": "60"},
+                          check=True, capture_output=True, text=True, timeout=120)
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return [json.loads(line) for line in lines], out, done.stdout
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _steps(calls: list[dict]) -> list[str]:
+    return [c["trainer"] + (f":{c['kind']}" if c["kind"] else "") + (":dec" if c["freeze"] else "") for c in calls]
+
+
+def test_a_fresh_job_trains_every_stage_in_order_and_returns_every_result(tmp_path):
+    calls, out, log = _run(tmp_path, "fresh")
+    steps = _steps(calls)
+    assert sorted(steps[:2]) == ["vae:audio", "vae:video"]  # stage 1, side by side
+    # stage 2 side by side, then the student once the base is done (the decoders may still run beside it)
+    assert sorted(steps[2:]) == ["dit", "student", "vae:audio:dec", "vae:video:dec"]
+    assert steps.index("student") > steps.index("dit")
+    assert all(c["handed"] is None for c in calls[:2])
+    by_step = dict(zip(steps, calls))
+    assert by_step["vae:video:dec"]["handed"] and by_step["vae:audio:dec"]["handed"]  # on from stage 1's states
+    assert by_step["dit"]["handed"] is None
+    dit, student = by_step["dit"]["opts"], by_step["student"]["opts"]
+    assert dit["--vae-root"].endswith("/vae_root") and student["--vae-root"].endswith("/vae_root")
+    assert student["--base"].endswith("export/base_stage2/FL2VA/transformer")
+    assert "job exit 0" in log
+    assert {p.name for p in out.iterdir()} == {"vae_root.tar", "vae.tar", "dit.tar", "logs.tar", "base.state.pt",
+                                               "joint.state.pt"}  # the VAEs are done: their states stay behind
+    with tarfile.open(out / "vae.tar") as tar:
+        assert {"vae/vae/config.json", "vae/audio_vae/config.json"} <= set(tar.getnames())
+    with tarfile.open(out / "dit.tar") as tar:
+        assert {n.split("/")[0] for n in tar.getnames()} == {"base_stage2", "base", "lora"}
+
+
+def test_a_call_carrying_the_final_vaes_and_the_base_state_resumes_the_base_and_trains_no_vae(tmp_path):
+    _, first, _ = _run(tmp_path, "first", FAIL="dit")  # the base fails before it exports: its state stays
+    (tmp_path / "first_out" / "base.state.pt").write_bytes(b"base state at step 300")
+    calls, out, log = _run(tmp_path, "second", FROM=str(first))
+    assert _steps(calls) == ["dit", "student"]
+    assert calls[0]["handed"] == _sha(first / "base.state.pt")
+    assert calls[0]["opts"]["--vae-root"].endswith("export/vae")  # the final VAEs define the latents now
+    assert "job exit 0" in log and (out / "vae.tar").is_file()
+
+
+def test_the_vae_states_come_back_in_parts_under_the_file_limit_and_a_later_call_resumes_from_them(tmp_path):
+    _, first, log = _run(tmp_path, "first", FAIL="vae", STATE_MB="20")  # the VAEs fail: nothing exported
+    assert "job exit 1" in log
+    parts = sorted(first.glob("vae_video.state.pt.part*"))
+    assert len(parts) == 2 and all(p.stat().st_size <= PART_LIMIT for p in parts)
+    video = b"".join(p.read_bytes() for p in parts)
+    assert len(video) == 20 * 1024 * 1024
+    assert not (first / "vae.tar").exists() and not (first / "vae_root.tar").exists()
+
+    calls, _, log = _run(tmp_path, "second", FROM=str(first))
+    assert sorted(_steps(calls)[:2]) == ["vae:audio", "vae:video"]  # stage 1 again, from its states
+    handed = {c["kind"]: c["handed"] for c in calls[:2]}
+    assert len(calls) == 6
+    assert handed["video"] == hashlib.sha256(video).hexdigest()
+    assert handed["audio"] is not None and "job exit 0" in log
