@@ -25,7 +25,7 @@ PART_LIMIT = 16 * 1024 * 1024  # what one returned file may hold
 
 # The stand-in: `PY -m tools.train.<trainer> ...`. It logs the call, then behaves as the trainer would on disk:
 # a resumed state is kept, a new one is written (STATE_MB of bytes for a VAE), --export gets the trainer's layout;
-# a trainer named in FAIL exits 1 after saving its state.
+# a trainer named in FAIL (vae:dec: the decoders alone) exits 1 after saving its state.
 STAND_IN = r'''#!{python}
 import hashlib, json, os, sys
 from pathlib import Path
@@ -45,7 +45,7 @@ state.parent.mkdir(parents=True, exist_ok=True)
 if handed is None:
     size = int(float(os.environ.get("STATE_MB", "1")) * 1024 * 1024) if trainer == "vae" else 4096
     state.write_bytes(os.urandom(size))
-if trainer in os.environ.get("FAIL", "").split(","):
+if {{trainer, trainer + (":dec" if "--freeze-encoder" in opts else "")}} & set(os.environ.get("FAIL", "").split(",")):
     sys.exit(1)  # a crash after the state was saved, before the export
 for key in ("--export", "--export-base"):
     if key in opts:
@@ -101,8 +101,8 @@ def test_a_fresh_job_trains_every_stage_in_order_and_returns_every_result(tmp_pa
     assert dit["--vae-root"].endswith("/vae_root") and student["--vae-root"].endswith("/vae_root")
     assert student["--base"].endswith("export/base_stage2/FL2VA/transformer")
     assert "job exit 0" in log
-    assert {p.name for p in out.iterdir()} == {"vae_root.tar", "vae.tar", "dit.tar", "logs.tar", "base.state.pt",
-                                               "joint.state.pt"}  # the VAEs are done: their states stay behind
+    # the VAEs and the base are done: their states and stage 1's VAEs stay behind
+    assert {p.name for p in out.iterdir()} == {"vae.tar", "dit.tar", "logs.tar", "joint.state.pt"}
     with tarfile.open(out / "vae.tar") as tar:
         assert {"vae/vae/config.json", "vae/audio_vae/config.json"} <= set(tar.getnames())
     with tarfile.open(out / "dit.tar") as tar:
@@ -134,3 +134,24 @@ def test_the_vae_states_come_back_in_parts_under_the_file_limit_and_a_later_call
     assert len(calls) == 6
     assert handed["video"] == hashlib.sha256(video).hexdigest()
     assert handed["audio"] is not None and "job exit 0" in log
+
+
+def test_a_lost_stage_2_returns_stage_1s_vaes_and_the_video_decoders_state_and_the_next_call_resumes_it(tmp_path):
+    _, first, log = _run(tmp_path, "first", FAIL="vae:dec,dit", STATE_MB="20")
+    assert "job exit 1" in log
+    files = list(first.iterdir())
+    assert {p.name for p in files} == {"vae_root.tar", "base.state.pt", "logs.tar", "vae_video.state.pt.part00",
+                                       "vae_video.state.pt.part01"}  # the audio decoder's state stays behind
+    assert len(files) <= 8 and sum(p.stat().st_size for p in files) <= 64 * 1024 * 1024
+    video = b"".join(p.read_bytes() for p in sorted(first.glob("vae_video.state.pt.part*")))
+
+    calls, out, log = _run(tmp_path, "second", FROM=str(first))
+    steps = _steps(calls)
+    assert sorted(steps) == ["dit", "student", "vae:video:dec"] and steps.index("student") > steps.index("dit")
+    by_step = dict(zip(steps, calls))
+    assert by_step["vae:video:dec"]["handed"] == hashlib.sha256(video).hexdigest()
+    assert by_step["dit"]["handed"] == _sha(first / "base.state.pt")
+    assert by_step["dit"]["opts"]["--vae-root"].endswith("/vae_root")  # the latents stay stage 1's
+    assert "job exit 0" in log
+    with tarfile.open(out / "vae.tar") as tar:  # the video decoder trained on, stage 1's audio VAE taken as final
+        assert {"vae/vae/config.json", "vae/audio_vae/config.json"} <= set(tar.getnames())

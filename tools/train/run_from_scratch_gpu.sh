@@ -6,9 +6,10 @@
 #   W=<work dir> OUT=<results dir> WAIT=<seconds> tools/train/run_from_scratch_gpu.sh collect
 #
 # `start` detaches the job (setsid) and returns. `collect` waits WAIT seconds or until the job is done, whichever
-# comes first, then copies what exists into $OUT: vae_root.tar (stage 1's VAEs), vae.tar (the final VAEs), dit.tar
-# (the base after stage 2, the student's LoRA and base), logs.tar, and the trainers' resumable states (the VAEs'
-# in parts of 15 MiB, NAME.state.pt.partNN, until the VAEs are done).
+# comes first, then copies what exists into $OUT, within what a call may return (8 files, 16 MiB each, 64 MiB in
+# all): vae.tar (the final VAEs) or, until they are done, vae_root.tar (stage 1's), dit.tar (the base after stage
+# 2, the student's LoRA and base), logs.tar, and the resumable states of the trainers still training (the VAEs'
+# in parts of 15 MiB: NAME.state.pt.partNN).
 # Each call that collects keeps the machine busy, so the job goes on. A call that starts with FROM=<a folder of what
 # an earlier call returned> carries on from there (carry_in, below): a lost machine loses only the time since the
 # last collect, and a run can span calls that each stand alone.
@@ -28,6 +29,20 @@ PY=${PY:-python3}
 
 # the decoders of stage 2 both exported (a half-written $W/export/vae is not the final VAEs)
 vaes_done() { [ -f "$W/state/video_done" ] && [ -f "$W/state/audio_done" ]; }
+
+# stage 2's decoder of one kind (video|audio, its folder, its state, batch, lr, workers): trained on alone from its
+# state into $W/export/vae, or where a call carried stage 1's VAEs without that state, stage 1's taken as final
+decoder() {
+    local kind=$1 sub=$2 state=$3 dec_root=$W/export/vae
+    [ -f "$W/state/${kind}_done" ] && return 0
+    if [ -f "$state/state.pt" ]; then
+        "$PY" -m tools.train.vae --kind "$kind" --state "$state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
+            --batch "$4" --lr "$5" --workers "$6" --freeze-encoder > "$W/logs/dec_$kind.log" 2>&1 || return 1
+    else
+        rm -rf "${dec_root:?}/$sub" && mkdir -p "$dec_root" && cp -r "$W/vae_root/$sub" "$dec_root/$sub" || return 1
+    fi
+    touch "$W/state/${kind}_done"
+}
 
 stage() { echo "$(date -u +%T) $1" | tee -a "$W/progress"; }
 
@@ -54,20 +69,11 @@ job() {
 
     if [ ! -d "$W/export/base_stage2" ]; then
         stage "2 base + decoders"
-        if vaes_done; then
-            :
-        elif [ -f "$vae_state/state.pt" ]; then
-            { "$PY" -m tools.train.vae --kind video --state "$vae_state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
-                --batch "${VIDEO_BATCH:-8}" --lr 4e-4 --workers 4 --freeze-encoder > "$W/logs/dec_video.log" 2>&1 &&
-                touch "$W/state/video_done"; } &
+        if ! vaes_done; then
+            decoder video vae "$vae_state" "${VIDEO_BATCH:-8}" 4e-4 4 &
             video=$!
-            { "$PY" -m tools.train.vae --kind audio --state "$aud_state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
-                --batch "${AUDIO_BATCH:-16}" --lr 3e-4 --workers 2 --freeze-encoder > "$W/logs/dec_audio.log" 2>&1 &&
-                touch "$W/state/audio_done"; } &
+            decoder audio audio_vae "$aud_state" "${AUDIO_BATCH:-16}" 3e-4 2 &
             audio=$!
-        else
-            rm -rf "$dec_root"  # carried stage-1 VAEs without their states: they are the final ones
-            cp -r "$vae_root" "$dec_root" && touch "$W/state/video_done" "$W/state/audio_done"
         fi
         "$PY" -m tools.train.dit --vae-root "$vae_root" --encoder-root "$ENCODER_ROOT" --state "$W/state/base" \
             --minutes "${BASE_MIN:-9}" --accum "${BASE_ACCUM:-8}" --lr "${BASE_LR:-6e-4}" --warmup 100 \
@@ -117,7 +123,7 @@ start)
     rm -f "$W/done" "$W/progress"
     [ -n "${FROM:-}" ] && carry_in
     export PYTHONUNBUFFERED=1 W ENCODER_ROOT PY
-    export -f job stage vaes_done
+    export -f job stage vaes_done decoder
     setsid bash -c 'job > "$W/logs/job.log" 2>&1; echo $? > "$W/done"' < /dev/null &
     sleep 2
     cat "$W/progress" 2>/dev/null
@@ -131,18 +137,26 @@ collect)
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
     tail -n 2 "$W"/logs/*.log
     # under the 16 MiB a returned file may hold: the VAEs (13 MB) apart from the DiT's exports
-    [ -d "$W/vae_root" ] && tar -C "$W" -cf "$OUT/vae_root.tar" vae_root
-    vaes_done && tar -C "$W/export" -cf "$OUT/vae.tar" vae
+    # at most 8 files and 64 MiB come back: stage 1's VAEs only until the final ones are done
+    if vaes_done; then
+        tar -C "$W/export" -cf "$OUT/vae.tar" vae
+    elif [ -d "$W/vae_root" ]; then
+        tar -C "$W" -cf "$OUT/vae_root.tar" vae_root
+    fi
     dit=$(cd "$W/export" && ls -d base_stage2 base lora 2>/dev/null)
     [ -n "$dit" ] && tar -C "$W/export" -cf "$OUT/dit.tar" $dit
     tar -C "$W" -cf "$OUT/logs.tar" logs progress $(cd "$W" && ls state/*/log.jsonl 2>/dev/null)
-    # the trainers' states; the VAEs' (24-29 MB) only while their stages are not done, in parts under 16 MiB
-    for s in base joint; do [ -f "$W/state/$s/state.pt" ] && cp "$W/state/$s/state.pt" "$OUT/$s.state.pt"; done
-    if ! vaes_done; then
-        for s in vae_video vae_audio; do
-            [ -f "$W/state/$s/state.pt" ] && split -d -b 15M "$W/state/$s/state.pt" "$OUT/$s.state.pt.part"
-        done
-    fi
+    # the trainers' states while they train: the base's until it exported, the student's; the VAEs' (24-29 MB, in
+    # parts under 16 MiB) both while stage 1 runs, then the video decoder's alone (the long pole) until it exported.
+    # A call that carries stage 1's VAEs without a decoder's state takes stage 1's of that kind as final.
+    [ -d "$W/export/base_stage2" ] || cp "$W/state/base/state.pt" "$OUT/base.state.pt" 2>/dev/null
+    [ -f "$W/state/joint/state.pt" ] && cp "$W/state/joint/state.pt" "$OUT/joint.state.pt"
+    kinds="vae_video vae_audio"
+    [ -d "$W/vae_root" ] && kinds=vae_video
+    [ -f "$W/state/video_done" ] && kinds=""
+    for s in $kinds; do
+        [ -f "$W/state/$s/state.pt" ] && split -d -b 15M "$W/state/$s/state.pt" "$OUT/$s.state.pt.part"
+    done
     ls -la "$OUT"
     ;;
 *)
