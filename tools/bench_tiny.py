@@ -165,7 +165,7 @@ def report(args, cold: ClientResult, warm: list[ClientResult], stages: dict[str,
         f"p95 {np.percentile(intervals, 95):.3f} s, max {intervals.max():.3f} s "
         f"(a 34-frame chunk is {34 / FPS:.3f} s of media)",
         "",
-        "prompt updates (sent after the first chunk of each request; the next request starts at chunk 4k):",
+        "prompt updates (sent after the first chunk of each request; each takes effect where the next request starts):",
     ]
     for event_id, sent_after, applied in update_landing(cold):
         lines.append(f"  {event_id}: sent after chunk {sent_after}, took effect at chunk "
