@@ -30,14 +30,22 @@ PY=${PY:-python3}
 # the decoders of stage 2 both exported (a half-written $W/export/vae is not the final VAEs)
 vaes_done() { [ -f "$W/state/video_done" ] && [ -f "$W/state/audio_done" ]; }
 
-# stage 2's decoder of one kind (video|audio, its folder, its state, batch, lr, workers): trained on alone from its
-# state into $W/export/vae, or where a call carried stage 1's VAEs without that state, stage 1's taken as final
+# one VAE trainer: kind (video|audio), export root, minutes, workers, log name, extra flags; the kind's own
+# state, batch and learning rate
+train_vae() {
+    local kind=$1 batch=${AUDIO_BATCH:-16} lr=3e-4
+    [ "$kind" = video ] && batch=${VIDEO_BATCH:-8} lr=4e-4
+    "$PY" -m tools.train.vae --kind "$kind" --state "$W/state/vae_$kind" --export "$2" --minutes "$3" \
+        --batch "$batch" --lr "$lr" --workers "$4" "${@:6}" > "$W/logs/$5.log" 2>&1
+}
+
+# stage 2's decoder of one kind (video|audio, its folder, workers): trained on alone from its state into
+# $W/export/vae, or where a call carried stage 1's VAEs without that state, stage 1's taken as final
 decoder() {
-    local kind=$1 sub=$2 state=$3 dec_root=$W/export/vae
+    local kind=$1 sub=$2 dec_root=$W/export/vae
     [ -f "$W/state/${kind}_done" ] && return 0
-    if [ -f "$state/state.pt" ]; then
-        "$PY" -m tools.train.vae --kind "$kind" --state "$state" --export "$dec_root" --minutes "${DEC_MIN:-8}" \
-            --batch "$4" --lr "$5" --workers "$6" --freeze-encoder > "$W/logs/dec_$kind.log" 2>&1 || return 1
+    if [ -f "$W/state/vae_$kind/state.pt" ]; then
+        train_vae "$kind" "$dec_root" "${DEC_MIN:-8}" "$3" "dec_$kind" --freeze-encoder || return 1
     else
         rm -rf "${dec_root:?}/$sub" && mkdir -p "$dec_root" && cp -r "$W/vae_root/$sub" "$dec_root/$sub" || return 1
     fi
@@ -48,8 +56,7 @@ stage() { echo "$(date -u +%T) $1" | tee -a "$W/progress"; }
 
 job() {
     set -x
-    local vae_state=$W/state/vae_video aud_state=$W/state/vae_audio vae_root=$W/vae_root dec_root=$W/export/vae
-    local video="" audio=""
+    local vae_root=$W/vae_root video="" audio=""
     # wait for stage 2's decoders, if they run, so that the job ends only once their exports are whole
     decoders() { if [ -n "$video" ]; then wait $video && wait $audio; fi; }
     if vaes_done; then
@@ -58,11 +65,9 @@ job() {
         stage "1 vaes (carried)"
     else
         stage "1 vaes"
-        "$PY" -m tools.train.vae --kind video --state "$vae_state" --export "$vae_root" --minutes "${VAE_MIN:-4.5}" \
-            --batch "${VIDEO_BATCH:-8}" --lr 4e-4 --workers "${VIDEO_WORKERS:-8}" > "$W/logs/vae_video.log" 2>&1 &
+        train_vae video "$vae_root" "${VAE_MIN:-4.5}" "${VIDEO_WORKERS:-8}" vae_video &
         video=$!
-        "$PY" -m tools.train.vae --kind audio --state "$aud_state" --export "$vae_root" --minutes "${VAE_MIN:-4.5}" \
-            --batch "${AUDIO_BATCH:-16}" --lr 3e-4 --workers "${AUDIO_WORKERS:-4}" > "$W/logs/vae_audio.log" 2>&1 &
+        train_vae audio "$vae_root" "${VAE_MIN:-4.5}" "${AUDIO_WORKERS:-4}" vae_audio &
         audio=$!
         wait $video && wait $audio || return 1
     fi
@@ -70,9 +75,9 @@ job() {
     if [ ! -d "$W/export/base_stage2" ]; then
         stage "2 base + decoders"
         if ! vaes_done; then
-            decoder video vae "$vae_state" "${VIDEO_BATCH:-8}" 4e-4 4 &
+            decoder video vae 4 &
             video=$!
-            decoder audio audio_vae "$aud_state" "${AUDIO_BATCH:-16}" 3e-4 2 &
+            decoder audio audio_vae 2 &
             audio=$!
         fi
         "$PY" -m tools.train.dit --vae-root "$vae_root" --encoder-root "$ENCODER_ROOT" --state "$W/state/base" \
@@ -94,23 +99,18 @@ job() {
 # joint.state.pt, any of them) where the job finds it: a stage whose result is there is skipped, a trainer whose state is there resumes.
 carry_in() {
     local f
-    for f in vae_root vae dit; do
-        [ -f "$FROM/$f.tar" ] || continue
-        case $f in
-        vae_root) tar -C "$W" -xf "$FROM/$f.tar" ;;
-        vae) tar -C "$W/export" -xf "$FROM/$f.tar" && touch "$W/state/video_done" "$W/state/audio_done" ;;
-        dit) tar -C "$W/export" -xf "$FROM/$f.tar" ;;
-        esac
-    done
-    if [ -d "$FROM/vae" ]; then  # the final VAEs unpacked, as a run in progress keeps them in git
-        cp -r "$FROM/vae" "$W/export/vae" && touch "$W/state/video_done" "$W/state/audio_done"
-    fi
+    [ -f "$FROM/vae_root.tar" ] && tar -C "$W" -xf "$FROM/vae_root.tar"
+    [ -f "$FROM/dit.tar" ] && tar -C "$W/export" -xf "$FROM/dit.tar"
+    [ -f "$FROM/vae.tar" ] && tar -C "$W/export" -xf "$FROM/vae.tar"
+    [ -d "$FROM/vae" ] && cp -r "$FROM/vae" "$W/export/"  # unpacked, as a run in progress keeps them in git
+    if [ -f "$FROM/vae.tar" ] || [ -d "$FROM/vae" ]; then touch "$W/state/video_done" "$W/state/audio_done"; fi
     rm -rf "$W/export/base" "$W/export/lora"  # the student's exports are remade from its state
     for f in vae_video vae_audio base joint; do
-        if [ ! -f "$FROM/$f.state.pt" ] && [ -f "$FROM/$f.state.pt.part00" ]; then
-            mkdir -p "$W/state/$f" && cat "$FROM/$f.state.pt".part* > "$W/state/$f/state.pt"
-        elif [ -f "$FROM/$f.state.pt" ]; then
-            mkdir -p "$W/state/$f" && cp "$FROM/$f.state.pt" "$W/state/$f/state.pt"
+        mkdir -p "$W/state/$f"
+        if [ -f "$FROM/$f.state.pt" ]; then
+            cp "$FROM/$f.state.pt" "$W/state/$f/state.pt"
+        elif [ -f "$FROM/$f.state.pt.part00" ]; then
+            cat "$FROM/$f.state.pt".part* > "$W/state/$f/state.pt"
         fi
     done
     return 0
@@ -123,7 +123,7 @@ start)
     rm -f "$W/done" "$W/progress"
     [ -n "${FROM:-}" ] && carry_in
     export PYTHONUNBUFFERED=1 W ENCODER_ROOT PY
-    export -f job stage vaes_done decoder
+    export -f job stage vaes_done train_vae decoder
     setsid bash -c 'job > "$W/logs/job.log" 2>&1; echo $? > "$W/done"' < /dev/null &
     sleep 2
     cat "$W/progress" 2>/dev/null
@@ -136,8 +136,7 @@ collect)
     [ -f "$W/done" ] && echo "job exit $(cat "$W/done")"
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
     tail -n 2 "$W"/logs/*.log
-    # under the 16 MiB a returned file may hold: the VAEs (13 MB) apart from the DiT's exports
-    # at most 8 files and 64 MiB come back: stage 1's VAEs only until the final ones are done
+    # at most 8 files, 16 MiB each and 64 MiB in all come back: stage 1's VAEs only until the final ones are done
     if vaes_done; then
         tar -C "$W/export" -cf "$OUT/vae.tar" vae
     elif [ -d "$W/vae_root" ]; then
