@@ -36,6 +36,7 @@ from services.common.media import VIDEO_FPS
 from services.tensors.transport import TensorAssembler, tensor_to_parts
 from services.dit.api import PromptUpdate, SessionConfig
 from services.dit.stream.geometry import TEACHER_TAIL_LATENTS, plan_request
+from services.dit.group.launch import launch_group
 from services.dit.group.orchestration import DiTGroup
 from services.dit.model.lora import ADAPTER_NAME
 from services.dit.model.network import PRESETS, DiT, FullAttention, ModelArgs
@@ -161,7 +162,7 @@ def build(opts):
         gateway=GatewayConfig(allowed_canvases=((opts.width, opts.height),),  # the shapes of the DiT's block graphs
                               default_canvas=(opts.width, opts.height)))
     runtime = build_runtime(profile, torch.device(devices[0])) if len(devices) == 1 \
-        else DiTGroup.start(profile, build_runtime)
+        else launch_group(profile, build_runtime)
     encoder = TextEncoder.random(opts.preset, torch.device(devices[0]), torch.bfloat16 if cuda else torch.float32,
                                  max_tokens=opts.max_tokens)
     if opts.cuda_graphs:

@@ -22,7 +22,8 @@ from services.dit.model.block_graphs import BlockGraphs
 from services.dit.model.checkpoint import load_dit
 from services.dit.model.fp8 import quantize_linears
 from services.dit.stream.geometry import Canvas
-from services.dit.group.orchestration import DiTGroup, GroupFailed
+from services.dit.group.launch import launch_group
+from services.dit.group.orchestration import GroupFailed
 from services.dit.model.layout import pack_layout
 from services.dit.model.lora import LoRAAdapter, random_adapter_spec
 from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
@@ -144,7 +145,7 @@ class DiTService(Stage):
         if cfg.usp_degree == 1:
             self.runtime = build_runtime(self.profile, torch.device(cfg.devices[0]))
         else:
-            self.runtime = DiTGroup.start(self.profile, build_runtime)
+            self.runtime = launch_group(self.profile, build_runtime)
         log.info("DiT ready in %.1f s: preset=%s devices=%s dtype=%s fp8=%s", time.perf_counter() - started,
                  self.profile.model.preset, list(cfg.devices), cfg.dtype, cfg.fp8)
 

@@ -1,8 +1,7 @@
-"""MiniMax-H3 `text_encoder/` checkpoints: the config check of the loader, and random-weight ones to test it.
+"""Random-weight MiniMax-H3 `text_encoder/` checkpoints, to test the loader and to serve the tiny preset.
 
-Knows nothing about serving. `read_checked_config` reads `text_encoder/config.json` (a `qwen3_vl` config whose
-`text_config` carries the text stack's dims and RoPE) and `tokenizer/tokenizer_config.json`, and refuses, naming every
-disagreement, a checkpoint that differs from the preset; `TextEncoder.load` builds the stack from what it returns.
+Knows nothing about serving. The config the loader checks (`services.encoder.preset.read_checked_config`) is the
+one written here.
 
 `write_random_checkpoint` writes the exact on-disk layout: `text_encoder/config.json`, BF16 safetensors shards named
 `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json` with the real key names, and for `tiny` an
@@ -28,7 +27,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from services.encoder.model import EncoderCheckpointError, ModelArgs, get_preset
+from services.encoder.preset import ModelArgs, get_preset
 
 logger = logging.getLogger(__name__)
 
@@ -61,114 +60,6 @@ _TINY_CORPUS = [
     "Rain falls on a quiet street; a dog shakes water from its fur.",
     "Two friends talk in a cafe, cups of coffee on the table, soft music playing.",
 ]
-
-
-class EncoderConfigError(EncoderCheckpointError):
-    """text_encoder/config.json or the tokenizer's config is unreadable or disagrees with the preset."""
-
-
-# ModelArgs field -> its key in `text_config` of text_encoder/config.json (`output_layer` is the preset's choice).
-_TEXT_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-              "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-              "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps",
-              "max_position_embeddings": "max_position_embeddings", "hidden_act": "hidden_act",
-              "attention_bias": "attention_bias"}
-# ModelArgs field -> its key among the RoPE settings: `rope_parameters` as transformers writes them, or, in the
-# shipped file, `rope_theta` beside `rope_scaling`.
-_ROPE_KEYS = {"rope_theta": "rope_theta", "mrope_section": "mrope_section", "mrope_interleaved": "mrope_interleaved",
-              "rope_type": "rope_type"}
-# Token ids the config names; each must be a row of the embedding.
-_TOP_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-_TEXT_ID_KEYS = ("bos_token_id", "eos_token_id")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EncoderConfigError(f"{path} is not readable JSON: {exc}") from exc
-    if not isinstance(cfg, dict):
-        raise EncoderConfigError(f"{path} is not a JSON object")
-    return cfg
-
-
-def _rope_settings(text: dict) -> dict:
-    rope = dict(text.get("rope_scaling") or {})
-    if "rope_theta" in text:
-        rope["rope_theta"] = text["rope_theta"]
-    rope.update(text.get("rope_parameters") or {})
-    return rope
-
-
-def config_mismatches(cfg: dict, preset: ModelArgs) -> list[str]:
-    """Every way a `qwen3_vl` config dict differs from `preset`, as `field: checkpoint X, preset Y` lines."""
-    problems: list[str] = []
-    if cfg.get("model_type") != "qwen3_vl":
-        problems.append(f"model_type: checkpoint {cfg.get('model_type')!r}, preset 'qwen3_vl'")
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        return problems + ["text_config: checkpoint missing, preset a qwen3_vl_text config"]
-    rope = _rope_settings(text)
-    for source, keys in ((text, _TEXT_KEYS), (rope, _ROPE_KEYS)):
-        for name, key in keys.items():
-            want, label = getattr(preset, name), name if name == key else f"{name} ({key})"
-            shown = list(want) if isinstance(want, tuple) else want
-            if key not in source:
-                problems.append(f"{label}: checkpoint missing, preset {shown!r}")
-                continue
-            got = tuple(source[key]) if isinstance(want, tuple) and isinstance(source[key], list) else source[key]
-            if got != want or isinstance(got, bool) != isinstance(want, bool):
-                problems.append(f"{label}: checkpoint {source[key]!r}, preset {shown!r}")
-    for source, keys in ((cfg, _TOP_ID_KEYS), (text, _TEXT_ID_KEYS)):
-        for key in keys:
-            token = source.get(key)
-            if isinstance(token, int) and not 0 <= token < preset.vocab_size:
-                problems.append(f"{key}: checkpoint {token}, outside the preset vocab_size={preset.vocab_size}")
-    return problems
-
-
-def tokenizer_mismatches(tok_cfg: dict, preset: ModelArgs) -> list[str]:
-    """Every way a tokenizer_config.json dict disagrees with `preset` (added-token ids, longest prompt)."""
-    problems: list[str] = []
-    added = tok_cfg.get("added_tokens_decoder") or {}
-    try:
-        ids = [int(i) for i in added]
-    except ValueError:
-        return [f"tokenizer added_tokens_decoder: checkpoint ids {sorted(added)[:4]}..., preset integer ids"]
-    if ids and max(ids) >= preset.vocab_size:
-        problems.append(f"tokenizer added_tokens_decoder: checkpoint highest id {max(ids)}, "
-                        f"preset vocab_size {preset.vocab_size}")
-    longest = tok_cfg.get("model_max_length")
-    if isinstance(longest, int) and longest > preset.max_position_embeddings:
-        problems.append(f"tokenizer model_max_length: checkpoint {longest}, "
-                        f"preset max_position_embeddings {preset.max_position_embeddings}")
-    return problems
-
-
-def read_checked_config(root: str | Path, preset: str) -> ModelArgs:
-    """Read `root/text_encoder/config.json` and `root/tokenizer/tokenizer_config.json`; return the checked args.
-
-    Raises `EncoderConfigError` naming every field that disagrees with the preset (field, checkpoint value, preset
-    value). The tokenizer's config may be absent only where the tokenizer folder holds no vocabulary either.
-    """
-    args = get_preset(preset)
-    root = Path(root)
-    config_path = root / "text_encoder" / "config.json"
-    if not config_path.is_file():
-        raise EncoderConfigError(f"text-encoder config not found: {config_path}")
-    problems = config_mismatches(_read_json(config_path), args)
-    tok_dir = root / "tokenizer"
-    tok_path = tok_dir / "tokenizer_config.json"
-    if tok_path.is_file():
-        problems += tokenizer_mismatches(_read_json(tok_path), args)
-    elif any((tok_dir / name).is_file() for name in ("tokenizer.json", "vocab.json")):
-        problems.append(f"tokenizer config: checkpoint has a vocabulary under {tok_dir} but no tokenizer_config.json")
-    else:
-        logger.info("no tokenizer config under %s; only the text encoder's config is checked", tok_dir)
-    if problems:
-        raise EncoderConfigError(f"text-encoder checkpoint {root} does not match the preset {preset!r} "
-                                 f"(field: checkpoint value, preset value): " + "; ".join(problems))
-    return args
 
 
 def text_encoder_config(preset: str) -> Qwen3VLConfig:

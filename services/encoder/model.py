@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoTokenizer, Qwen3VLTextConfig
+from transformers import AutoTokenizer
 from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLTextDecoderLayer,
     Qwen3VLTextRotaryEmbedding,
 )
 
-from services.common.errors import InternalError, InvalidInput
+from services.common.errors import InvalidInput
 from services.common.startup import Steps
+from services.encoder.preset import EncoderCheckpointError, ModelArgs, get_preset, read_checked_config
 from services.tensors.cuda_graphs import CudaGraphBank, GraphKey, PromptBuckets
 
 logger = logging.getLogger(__name__)
@@ -36,112 +37,6 @@ TEXT_KEY_PREFIX = "model.language_model."
 
 class EncoderInputError(InvalidInput):
     """The prompt or token ids cannot be encoded (empty, too long, out-of-vocabulary id)."""
-
-
-class EncoderCheckpointError(InternalError):
-    """The text-encoder checkpoint on disk does not match the preset (missing/mis-shaped tensors, bad index)."""
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """Dimensions of the Qwen3-VL text stack (the `text_config` of a `qwen3_vl` checkpoint)."""
-
-    vocab_size: int
-    """Rows of the token embedding."""
-    hidden_size: int
-    """Model width; also the width of the returned embedding (`text_dim` of the DiT)."""
-    intermediate_size: int
-    """SwiGLU hidden width."""
-    num_layers: int
-    """Decoder layers in the checkpoint (64 for the real model); only `output_layer` of them are built."""
-    output_layer: int
-    """Index into `hidden_states` whose (unnormalised) value is returned; layers `0 .. output_layer-1` run."""
-    num_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key/value heads (grouped-query attention)."""
-    head_dim: int
-    """Per-head width."""
-    rms_norm_eps: float
-    """RMSNorm epsilon (`rms_norm_eps`)."""
-    rope_theta: float
-    """RoPE base (`rope_theta`)."""
-    mrope_section: tuple[int, int, int]
-    """Multimodal RoPE split of the head_dim/2 frequencies over (t, h, w); for text all three use one position."""
-    mrope_interleaved: bool
-    """Whether the (t, h, w) frequencies are interleaved rather than laid out in three blocks."""
-    rope_type: str
-    """RoPE variant of `transformers` ("default": no scaling)."""
-    max_position_embeddings: int
-    """Longest position the RoPE is configured for."""
-    hidden_act: str
-    """SwiGLU activation."""
-    attention_bias: bool
-    """Whether the q/k/v/o projections carry a bias."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelArgs.{name} must be >= 1, got {getattr(self, name)}")
-        if not 1 <= self.output_layer <= self.num_layers:
-            raise ValueError(
-                f"ModelArgs.output_layer={self.output_layer} must lie in [1, num_layers={self.num_layers}]")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelArgs.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0 or self.max_position_embeddings < 1:
-            raise ValueError(f"ModelArgs rms_norm_eps={self.rms_norm_eps}, rope_theta={self.rope_theta} and "
-                             f"max_position_embeddings={self.max_position_embeddings} must be positive")
-        if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != self.head_dim:
-            raise ValueError(
-                f"ModelArgs.mrope_section={self.mrope_section} must sum to head_dim/2={self.head_dim // 2}")
-
-    def text_config(self, num_layers: int | None = None) -> Qwen3VLTextConfig:
-        """Return the `transformers` text config, with `num_layers` decoder layers (default: all)."""
-        config = Qwen3VLTextConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers if num_layers is None else num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            hidden_act=self.hidden_act,
-            max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps,
-            attention_bias=self.attention_bias,
-            rope_parameters={
-                "rope_type": self.rope_type,
-                "rope_theta": self.rope_theta,
-                "mrope_section": list(self.mrope_section),
-                "mrope_interleaved": self.mrope_interleaved,
-            },
-        )
-        config._attn_implementation = "sdpa"
-        return config
-
-
-# The architecture both presets share: the `text_config` of MiniMax-H3's text_encoder/config.json.
-_QWEN3_VL_TEXT = dict(rms_norm_eps=1e-6, rope_theta=5_000_000.0, mrope_interleaved=True, rope_type="default",
-                      max_position_embeddings=262_144, hidden_act="silu", attention_bias=False)
-
-PRESETS: dict[str, ModelArgs] = {
-    # text_config of MiniMax-H3 text_encoder/config.json (Qwen3-VL-32B); H3 reads hidden_states[50].
-    "full": ModelArgs(vocab_size=151_936, hidden_size=5120, intermediate_size=25_600, num_layers=64,
-                      output_layer=50, num_heads=64, num_kv_heads=8, head_dim=128, mrope_section=(24, 20, 20),
-                      **_QWEN3_VL_TEXT),
-    # Same architecture, CPU sized; hidden_size equals the tiny DiT's text_dim. vocab fits the tiny tokenizer.
-    "tiny": ModelArgs(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, output_layer=3,
-                      num_heads=4, num_kv_heads=2, head_dim=16, mrope_section=(4, 2, 2), **_QWEN3_VL_TEXT),
-}
-
-
-def get_preset(name: str) -> ModelArgs:
-    """Return the named preset or raise naming the known ones."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown text-encoder preset {name!r}; known presets: {sorted(PRESETS)}")
-    return PRESETS[name]
 
 
 class TextStack(nn.Module):
@@ -282,8 +177,6 @@ class TextEncoder:
         Its config.json and the tokenizer's config are checked against the preset first; the stack is built from
         the checked config.
         """
-        from services.encoder.checkpoint import read_checked_config  # checkpoint.py imports this module
-
         root = Path(path)
         args = read_checked_config(root, preset)
         with torch.device("meta"):

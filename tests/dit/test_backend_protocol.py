@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from services.dit.api import DiTBackend, DiTSession, PromptUpdate, SessionConfig
-from services.dit.group.launch import GroupOptions
-from services.dit.group.orchestration import DiTGroup, GroupSession
+from services.dit.group.launch import GroupOptions, launch_group
+from services.dit.group.orchestration import GroupSession
 from services.dit.stream.runtime import DiTRuntime, StreamingSession
 from tests.dit.test_usp import ARGS, CANVAS, build_tiny, tiny_profile
 
@@ -53,7 +53,7 @@ def test_the_runtime_and_the_group_keep_the_backend_contract_and_run_the_same_ph
     assert type(runtime) is DiTRuntime
     single = _one_phase(runtime, StreamingSession)
     runtime.shutdown()  # nothing beside this process: a no-op
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
+    group = launch_group(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
     try:
         grouped = _one_phase(group, GroupSession)
     finally:

@@ -93,8 +93,7 @@ def test_sharded_teacher_graphs_replay_like_eager_on_two_gpus(tmp_path):
 
 def _graphed_group(timeout_s: float, sharded: bool, overlap: bool = False, staged: bool = False):
     from services.common.config import DiTConfig, EncoderConfig, ModelConfig, Profile
-    from services.dit.group.orchestration import DiTGroup
-    from services.dit.group.launch import GroupOptions
+    from services.dit.group.launch import GroupOptions, launch_group
     from tests.dit.test_usp import TEXT_TOKENS, build_tiny
 
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
@@ -103,7 +102,7 @@ def _graphed_group(timeout_s: float, sharded: bool, overlap: bool = False, stage
                       dit=DiTConfig(devices=("cuda:0", "cuda:1"), dtype="bfloat16", canvas_short_edges=(64,),
                                     cuda_graphs=True, prompt_buckets=(8, TEXT_TOKENS), teacher_sharded=sharded,
                                     teacher_overlap=overlap, teacher_staged=staged))
-    return DiTGroup.start(profile, build_tiny, GroupOptions(timeout_s=timeout_s, heartbeat_s=2))
+    return launch_group(profile, build_tiny, GroupOptions(timeout_s=timeout_s, heartbeat_s=2))
 
 
 def _open(group):

@@ -162,13 +162,13 @@ def _build_with_a_failing_stage(profile, device):
 @pytest.mark.slow
 def test_a_failing_stage_fails_the_group_promptly():
     from services.dit.api import PromptUpdate, SessionConfig
-    from services.dit.group.orchestration import DiTGroup, GroupFailed
-    from services.dit.group.launch import GroupOptions
+    from services.dit.group.launch import GroupOptions, launch_group
+    from services.dit.group.orchestration import GroupFailed
     from tests.dit.test_usp import CANVAS, tiny_profile
 
     failures: list[str] = []
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu"), teacher_staged=True), _build_with_a_failing_stage,
-                           GroupOptions(timeout_s=30, heartbeat_s=2))
+    group = launch_group(tiny_profile(("cpu", "cpu"), teacher_staged=True), _build_with_a_failing_stage,
+                         GroupOptions(timeout_s=30, heartbeat_s=2))
     group.on_failure(failures.append)
     try:
         session = group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1]),

@@ -18,8 +18,8 @@ from services.common.config import DiTConfig, ModelConfig, Profile
 from services.dit.api import HoldConfig, PhaseOutput, PromptUpdate, RuntimeConfig, SessionCancelled, SessionConfig
 from services.dit.model.block_graphs import BlockGraphs
 from services.dit.stream.geometry import Canvas
-from services.dit.group.orchestration import DiTGroup, GroupFailed
-from services.dit.group.launch import GroupOptions, free_port, rank_device_env
+from services.dit.group.orchestration import GroupFailed
+from services.dit.group.launch import GroupOptions, free_port, launch_group, rank_device_env
 from services.dit.model.layout import pack_layout
 from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
 from services.dit.model.shard import pack_head_groups
@@ -200,8 +200,8 @@ def test_usp2_streaming_session_matches_one_rank(staged):
     session.close()
     assert [o.meta.active_event_id for o in ref[::4]] == ["e0", "e1", "fallback"]
 
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu"), teacher_staged=staged), build_tiny,
-                           GroupOptions(timeout_s=30, heartbeat_s=2))
+    group = launch_group(tiny_profile(("cpu", "cpu"), teacher_staged=staged), build_tiny,
+                         GroupOptions(timeout_s=30, heartbeat_s=2))
     try:
         assert (group.runtime.teacher.stages is not None) == staged
         session = group.open_session(session_config(), prompts[0], prompts[2])
@@ -250,7 +250,7 @@ def test_group_hold_ends_when_no_prompt_can_come_and_a_late_prompt_beats_the_fal
     gen = torch.Generator().manual_seed(3)
     first, late, fallback = (PromptUpdate(torch.randn(5, ARGS.text_dim, generator=gen), e)
                              for e in ("e0", "late", "fallback"))
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
+    group = launch_group(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
     try:
         config = SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1], hold=HoldConfig(enabled=True))
         session = group.open_session(config, first)
@@ -282,7 +282,7 @@ def test_group_runs_a_tool_on_every_rank_between_sessions():
     from services.common.errors import NoCapacity
     from tools.dit.probe import group_forward_seconds, phase_inputs, time_forward
 
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
+    group = launch_group(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=30, heartbeat_s=2))
     try:
         seconds = group_forward_seconds(group, 64, 96, latents=2, runs=2)
         assert 0 < seconds < 30
@@ -324,7 +324,7 @@ def phases_in_thread(session) -> tuple[threading.Thread, list[BaseException]]:
 @pytest.mark.slow
 def test_killed_rank_fails_the_group_within_bounded_time(busy):
     failures: list[str] = []
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=15, heartbeat_s=2))
+    group = launch_group(tiny_profile(("cpu", "cpu")), build_tiny, GroupOptions(timeout_s=15, heartbeat_s=2))
     group.on_failure(failures.append)  # the service flips its health to NOT_SERVING here
     try:
         hold = HoldConfig(enabled=busy == "holding")  # holding: forever, for a prompt that never comes
@@ -364,8 +364,8 @@ def test_ranks_that_finish_loading_later_than_the_collective_timeout_still_join(
     # ranks load and compile at their own pace (4 ranks reading a 33B checkpoint from one disk); only once all have
     # arrived do collectives run under the group's timeout, here 3 s against a rank 6 s late
     monkeypatch.setenv("VITASCOPE_TEST_WORKER", "late")
-    group = DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny_late_or_broken,
-                           GroupOptions(timeout_s=3, heartbeat_s=1, join_timeout_s=60))
+    group = launch_group(tiny_profile(("cpu", "cpu")), build_tiny_late_or_broken,
+                         GroupOptions(timeout_s=3, heartbeat_s=1, join_timeout_s=60))
     try:
         session = group.open_session(SessionConfig(seed=1, width=CANVAS[0], height=CANVAS[1]),
                                      PromptUpdate(torch.randn(5, ARGS.text_dim), "e0"))
@@ -382,8 +382,8 @@ def test_a_rank_that_fails_to_load_fails_the_start_at_once(monkeypatch):
     monkeypatch.setenv("VITASCOPE_TEST_WORKER", "broken")
     started = time.monotonic()
     with pytest.raises(GroupFailed, match="exited during start-up"):
-        DiTGroup.start(tiny_profile(("cpu", "cpu")), build_tiny_late_or_broken,
-                       GroupOptions(timeout_s=3, heartbeat_s=1, join_timeout_s=600))
+        launch_group(tiny_profile(("cpu", "cpu")), build_tiny_late_or_broken,
+                     GroupOptions(timeout_s=3, heartbeat_s=1, join_timeout_s=600))
     assert time.monotonic() - started < 60  # not the join timeout
     assert not dist.is_initialized()
 

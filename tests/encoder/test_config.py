@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.encoder.checkpoint import EncoderConfigError, read_checked_config, write_random_checkpoint
-from services.encoder.model import PRESETS, EncoderCheckpointError, TextEncoder, TextStack
+from services.encoder.checkpoint import write_random_checkpoint
+from services.encoder.model import TextEncoder, TextStack
+from services.encoder.preset import PRESETS, EncoderCheckpointError, EncoderConfigError, read_checked_config
 
 pytestmark = pytest.mark.cpu
 

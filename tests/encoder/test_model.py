@@ -10,14 +10,8 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
 from services.encoder.checkpoint import text_encoder_config, write_random_checkpoint
-from services.encoder.model import (
-    PRESETS,
-    EncoderCheckpointError,
-    EncoderInputError,
-    TextEncoder,
-    TextStack,
-    checkpoint_key,
-)
+from services.encoder.model import EncoderInputError, TextEncoder, TextStack, checkpoint_key
+from services.encoder.preset import PRESETS, EncoderCheckpointError
 
 pytestmark = pytest.mark.cpu
 

@@ -191,7 +191,8 @@ def test_random_clips_show_and_sound_what_their_caption_says(seed):
 def test_every_caption_tokenizes_with_the_tiny_tokenizer_within_max_tokens(tmp_path):
     from services.common.config import load_profile
     from services.encoder.checkpoint import write_tiny_tokenizer
-    from services.encoder.model import get_preset, load_tokenizer
+    from services.encoder.model import load_tokenizer
+    from services.encoder.preset import get_preset
 
     write_tiny_tokenizer(tmp_path, get_preset("tiny").vocab_size)
     tokenizer = load_tokenizer(tmp_path)

@@ -43,7 +43,7 @@ from services.dit.model.checkpoint import load_dit, write_trained_checkpoint
 from services.dit.model.layout import PackedLayout, pack_layout
 from services.dit.model.lora import AdapterSpec, LoRAAdapter, lora_targets, write_adapter
 from services.dit.model.network import PRESETS, DiT
-from services.dit.stream.geometry import Canvas, PhasePlan, audio_boundary, plan_request, request_latent_start
+from services.dit.stream.geometry import Canvas, PhasePlan, plan_request, request_latent_start
 from services.dit.stream.runtime import patchify
 from services.dit.stream.schedule import (AUDIO_SIGMAS, TEACHER_MILESTONES, TEACHER_SIGMAS, VIDEO_SIGMAS, euler_step,
                                           model_t)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,6 @@ from typing import Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torch import nn

@@ -430,13 +430,6 @@ class DiTGroup:
         for thread in self._threads:
             thread.start()
 
-    @classmethod
-    def start(cls, profile, builder, options=None) -> "DiTGroup":
-        """Spawn ranks 1..N-1, build rank 0 and join the group (see `services.dit.group.launch.launch_group`)."""
-        from services.dit.group.launch import launch_group
-
-        return launch_group(profile, builder, options)
-
     # -- DiTRuntime API --
     @property
     def model(self):
