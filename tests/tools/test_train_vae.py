@@ -79,3 +79,46 @@ def test_a_run_continued_with_a_frozen_encoder_keeps_the_latents_and_trains_the_
     assert stats[0]["latents_mean"] == stats[1]["latents_mean"]
     assert stats[0]["latents_std"] == stats[1]["latents_std"]
 
+
+
+def _windows(n, crop=(32, 32)):
+    items = [trainer.VideoWindows(crop=crop)[i] for i in range(n)]
+    return torch.stack([f for f, _ in items]), torch.stack([w for _, w in items])
+
+
+def test_the_loss_from_the_posterior_bank_equals_the_loss_of_a_fresh_encode_and_encodes_once(monkeypatch):
+    model = trainer.build("video", "tiny").requires_grad_(False)
+    frames, weight = _windows(2)
+    torch.manual_seed(0)
+    fresh = trainer.video_loss(model, frames, weight, 1e-4)
+    encoded = []
+    real = trainer.encode_video
+    monkeypatch.setattr(trainer, "encode_video", lambda vae, x: encoded.append(x.shape[0]) or real(vae, x))
+    bank = trainer.PosteriorBank(distinct=2)
+    for _ in range(2):
+        torch.manual_seed(0)
+        banked = trainer.video_loss(model, frames, weight, 1e-4, bank, first=0)
+        torch.testing.assert_close(banked.total, fresh.total, rtol=1e-5, atol=0)
+        assert banked.kl == pytest.approx(fresh.kl, rel=1e-5)
+    assert encoded == [1, 1]  # each window once, on its own; the second visit encodes nothing
+
+
+def test_a_decoder_only_video_run_encodes_each_window_once_and_a_resumed_run_ends_where_an_unbroken_one_ends(
+        tmp_path, monkeypatch):
+    encoded = []
+    real = trainer.encode_video
+    monkeypatch.setattr(trainer, "encode_video", lambda vae, x: encoded.append(x.shape[0]) or real(vae, x))
+    cfg = trainer.RunConfig(kind="video", dims="tiny", batch=2, lr=2e-3, warmup=1, max_steps=4, log_every=1,
+                            workers=0, distinct=3, crop=(32, 32), freeze_encoder=True)
+    unbroken = trainer.train(cfg, tmp_path / "unbroken", "cpu")
+    assert sum(encoded) == 3  # 8 samples of 3 windows
+    trainer.train(replace(cfg, max_steps=2), tmp_path / "resumed", "cpu")
+    resumed = trainer.train(cfg, tmp_path / "resumed", "cpu")
+    for (name, a), b in zip(unbroken.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert logged(tmp_path / "resumed")[-1]["loss"] == logged(tmp_path / "unbroken")[-1]["loss"]
+    decoder = [k for k in unbroken.ema.shadow if not k.startswith(trainer.ENCODER_SIDE["video"])]
+    torch.manual_seed(cfg.seed)
+    fresh = trainer.build("video", "tiny").state_dict()  # the run's initial weights
+    assert all(torch.equal(unbroken.model.state_dict()[k], fresh[k]) for k in fresh if k not in decoder)
+    assert any(not torch.equal(unbroken.model.state_dict()[k], fresh[k]) for k in decoder)

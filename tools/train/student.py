@@ -51,7 +51,7 @@ from services.dit.stream.timeline import Timeline
 from tools.train import world
 from tools.train.dit import LOSS_PARTS, REQUEST_FRAMES, Clips, Conditioner, example_loss, window_means
 from tools.train.train_state import EMA, TrainState
-from tools.train.vae import HOP, IndexRange, encode_video, to_model_space
+from tools.train.vae import HOP, IndexRange
 
 log = logging.getLogger("tools.train.student")
 
@@ -128,22 +128,13 @@ class Session:
     """[2, 405, 32] normalised audio latents (left, right)."""
 
 
-@torch.no_grad()
 def encode_session(cond: Conditioner, clip: SessionClip) -> Session:
-    """The frozen VAE encoders and text encoder on a rendered session (the base trainer's `Conditioner`)."""
-    dev = cond.device
-    x = to_model_space(clip.frames[None].to(dev, non_blocking=True))
-    mu, sd = cond._stats(cond.video_vae, (-1, 1, 1, 1))
-    video = ((encode_video(cond.video_vae, x).mean[0].float() - mu) / sd).transpose(0, 1)  # [72, C, h, w]
-    mu, sd = cond._stats(cond.audio_vae, (1, -1, 1))
-    mono = clip.wave.to(dev, non_blocking=True)[:, None]  # [2, 1, N]
-    audio = ((cond.audio_vae.encode(mono).latent_dist.mean.float() - mu) / sd).transpose(1, 2)  # [2, 405, 32]
-    texts = []
-    for caption in clip.captions:
-        if caption not in cond._texts:
-            cond._texts[caption] = cond.text.encode(caption).float().clone()
-        texts.append(cond._texts[caption])
-    return Session(tuple(texts), video.contiguous(), audio.contiguous())
+    """The frozen VAE encoders and text encoder on a rendered session (the base trainer's `Conditioner`, which
+    keeps it when it caches)."""
+    return cond.cached(("session", clip.seed), lambda: Session(
+        tuple(cond.encode_caption(c) for c in clip.captions),
+        cond.encode_frames(clip.frames),  # [72, C, h, w]
+        cond.encode_wave(clip.wave)))  # [2, 405, 32]
 
 
 class SessionsAttention:
