@@ -98,6 +98,9 @@ def test_a_fresh_job_trains_every_stage_in_order_and_returns_every_result(tmp_pa
     assert by_step["vae:video:dec"]["handed"] and by_step["vae:audio:dec"]["handed"]  # on from stage 1's states
     assert by_step["dit"]["handed"] is None
     dit, student = by_step["dit"]["opts"], by_step["student"]["opts"]
+    # the frozen encoder's outputs are kept where the data recurs: the video decoder's windows, the base's seeds
+    assert by_step["vae:video:dec"]["opts"]["--distinct"] == "8192" and dit["--distinct"] == "4096"
+    assert "--distinct" not in by_step["vae:audio:dec"]["opts"] and "--distinct" not in student
     assert dit["--vae-root"].endswith("/vae_root") and student["--vae-root"].endswith("/vae_root")
     assert student["--base"].endswith("export/base_stage2/FL2VA/transformer")
     assert "job exit 0" in log

@@ -17,7 +17,9 @@
 # Stages (knobs in minutes):
 #   1. the video and audio VAEs side by side for VAE_MIN; exported to $W/vae_root, the latents the DiT trains on;
 #   2. the decoders go on alone (--freeze-encoder, the latents fixed) for DEC_MIN, beside the base DiT trained from
-#      random weights for BASE_MIN (teacher documents TEACHER_DOCS, opening clips OPENINGS of the clips);
+#      random weights for BASE_MIN (teacher documents TEACHER_DOCS, opening clips OPENINGS of the clips). The video
+#      decoder trains on DEC_DISTINCT windows and the base on BASE_DISTINCT seeds, each encoded once and kept on the
+#      GPU: the frozen video encoder is almost all of what either would otherwise compute at every step;
 #   3. the joint student (--train-base --openings JOINT_OPENINGS) from that base for JOINT_MIN; its LoRA and base
 #      exported to $W/export/lora and $W/export/base.
 # $W/progress names the last stage begun; $W/done holds the job's exit status when it ends. Knobs: PY, BASE_LR,
@@ -45,7 +47,9 @@ decoder() {
     local kind=$1 sub=$2 dec_root=$W/export/vae
     [ -f "$W/state/${kind}_done" ] && return 0
     if [ -f "$W/state/vae_$kind/state.pt" ]; then
-        train_vae "$kind" "$dec_root" "${DEC_MIN:-8}" "$3" "dec_$kind" --freeze-encoder || return 1
+        local windows=()
+        [ "$kind" = video ] && windows=(--distinct "${DEC_DISTINCT:-8192}")
+        train_vae "$kind" "$dec_root" "${DEC_MIN:-8}" "$3" "dec_$kind" --freeze-encoder "${windows[@]}" || return 1
     else
         rm -rf "${dec_root:?}/$sub" && mkdir -p "$dec_root" && cp -r "$W/vae_root/$sub" "$dec_root/$sub" || return 1
     fi
@@ -83,6 +87,7 @@ job() {
         "$PY" -m tools.train.dit --vae-root "$vae_root" --encoder-root "$ENCODER_ROOT" --state "$W/state/base" \
             --minutes "${BASE_MIN:-9}" --accum "${BASE_ACCUM:-8}" --lr "${BASE_LR:-6e-4}" --warmup 100 \
             --workers "${BASE_WORKERS:-8}" --teacher-docs "${TEACHER_DOCS:-0.5}" --openings "${OPENINGS:-0.5}" \
+            --distinct "${BASE_DISTINCT:-4096}" \
             --save-every 100 --export "$W/export/base_stage2" > "$W/logs/base.log" 2>&1 || { decoders; return 1; }
     fi
     stage "3 joint student"
