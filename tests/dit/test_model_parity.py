@@ -131,6 +131,13 @@ def test_pack_layout_without_video_and_errors():
         _layout(video_t=1.5)
     with pytest.raises(ValueError, match="audio_timesteps"):
         _layout(audio_timesteps=[0.5] * 5)
+    for bad in (1.5, -0.1, float("nan")):  # the row that is out of range is named
+        with pytest.raises(ValueError, match=r"audio_timesteps\[4\]=.* must lie in \[0, 1\]"):
+            _layout(audio_timesteps=[0.5] * 4 + [bad] + [0.5] * 7)
+    # per-row values are rounded to float32 as a single `audio_t` is: the same slot for the same value
+    one = _layout(audio_t=0.1)
+    rows = _layout(audio_timesteps=[0.1] * 12)
+    assert rows.timestep_values == one.timestep_values and torch.equal(rows.timestep_slot, one.timestep_slot)
     with pytest.raises(ValueError, match="exactly one of audio_t"):
         pack_layout(text_len=4, audio_len_per_channel=3, video_rows=0, positions_text=pos_t,
                     positions_audio=torch.zeros(6, 3), positions_video=torch.zeros(0, 3), video_t=0.5, audio_t=0.5,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.dit.model.checkpoint import load_dit
-from services.dit.model.network import PRESETS, build_random, is_fp32_param
+from services.dit.model.network import PRESETS, FullAttention, build_random, is_fp32_param
 from services.dit.stream.geometry import TEACHER_TAIL_LATENTS, Canvas, plan_request
 from services.dit.stream.schedule import TEACHER_GRID, TEACHER_SIGMAS
 from services.dit.stream.session import CancelToken
@@ -87,11 +87,10 @@ def test_a_teacher_document_is_laid_out_as_the_served_teacher_lays_it_out(condit
         assert torch.equal(ours.positions, served.positions) and torch.equal(ours.tags, served.tags)
         assert _row_t(ours) == pytest.approx(_row_t(served), abs=1e-6)
 
-    # the trainer's forward: the served tail rows, clean at t = 1, then the new rows at one noise level
-    seen.clear()
-    trainer.teacher_loss(model, ex)
     hook.remove()
-    rows, layout = seen[0]
+    # the trainer's document: the served tail rows, clean at t = 1, then the new rows at one noise level
+    doc = trainer.teacher_document(ex, torch.device("cpu"))
+    rows, layout = doc.audio, doc.layout
     rows, row_t = rows.reshape(2, -1, 32), torch.tensor(_row_t(layout))[layout.audio_index].reshape(2, -1)
     assert torch.equal(rows[:, :n_tail], ex.audio[:, :n_tail]) and (row_t[:, :n_tail] == 1).all()
     assert not torch.equal(rows[:, n_tail:], ex.audio[:, n_tail:]) and (row_t[:, n_tail:] == row_t[0, -1]).all()
@@ -165,11 +164,9 @@ def test_an_exported_state_loads_through_load_dit_with_the_trainers_forward(cond
             if not is_fp32_param(name):
                 p.copy_(p.to(torch.bfloat16).float())
     ex = conditioner.example(trainer.TRAIN_SEED)
-    torch.manual_seed(5)
-    want = trainer.flow_matching_loss(expect, ex)
-    torch.manual_seed(5)
-    got = trainer.flow_matching_loss(loaded, ex)
-    assert got.video == pytest.approx(want.video, rel=1e-5) and got.audio == pytest.approx(want.audio, rel=1e-5)
+    doc = trainer.clip_document(ex, torch.device("cpu"), torch.Generator().manual_seed(5))
+    (_, [want]), (_, [got]) = trainer.document_losses(expect, [doc]), trainer.document_losses(loaded, [doc])
+    assert got["video"] == pytest.approx(want["video"], rel=1e-5) and got["audio"] == pytest.approx(want["audio"], rel=1e-5)
 
 
 def test_an_opening_clip_is_the_sessions_opening_scene_from_frame_zero_and_leaves_other_seeds_as_they_were():
@@ -194,26 +191,46 @@ def _grammars():
     return product(world.SHAPES, [c.name for c in world.COLOURS], world.BACKGROUNDS, [m.name for m in world.MOTIONS])
 
 
-class _Recorder(torch.nn.Module):
-    """A model that keeps the video rows it is given."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.inputs = model, []
-
-    def forward(self, video, audio, *rest):
-        self.inputs.append(video.clone())
-        return self.model(video, audio, *rest)
-
-
 def test_an_opening_clips_video_is_given_as_pure_noise_and_logged_apart(conditioner):
     ex = conditioner.example(3)
-    rec = _Recorder(build_random(PRESETS["tiny"], "cpu", torch.float32, 0))
+    model = build_random(PRESETS["tiny"], "cpu", torch.float32, 0)
+    inputs = []
     for opening in (False, True):
         for scale in (1.0, 3.0):  # other clean video: the input moves unless it is pure noise
             changed = replace(ex, video=ex.video * scale, opening=opening)
-            loss = trainer.flow_matching_loss(rec, changed, torch.Generator().manual_seed(1))
-            assert (loss.opening is None) != opening and (loss.video is None) == opening
-    same = rec.inputs[2:]
-    assert not torch.equal(rec.inputs[0], rec.inputs[1])
-    torch.testing.assert_close(same[0], same[1], rtol=0, atol=0)
+            doc = trainer.clip_document(changed, torch.device("cpu"), torch.Generator().manual_seed(1))
+            _, [parts] = trainer.document_losses(model, [doc])
+            assert (parts["opening"] is None) != opening and (parts["video"] is None) == opening
+            inputs.append(doc.video)
+    assert not torch.equal(inputs[0], inputs[1])
+    torch.testing.assert_close(inputs[2], inputs[3], rtol=0, atol=0)
+
+
+def test_documents_packed_in_one_forward_give_each_the_loss_and_gradient_of_its_own_forward(conditioner):
+    # clips, an opening clip and teacher documents of two lengths, packed: each document's velocity must be what
+    # the network gives it alone under `FullAttention`, so each loss, their mean and its gradient are the same
+    cpu = torch.device("cpu")
+    examples = [conditioner.example(3), replace(conditioner.example(4), opening=True),
+                conditioner.teacher_example(5, 0), conditioner.teacher_example(6, 3), conditioner.example(7)]
+    docs = [trainer.document(ex, cpu, torch.Generator().manual_seed(i)) for i, ex in enumerate(examples)]
+    model = build_random(PRESETS["tiny"], "cpu", torch.float32, 0).requires_grad_(True)
+    packed, parts = trainer.document_losses(model, docs)
+    packed.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    alone = []
+    for d in docs:
+        v_video, v_audio = model(d.video, d.audio, d.text, d.layout, FullAttention(d.layout))
+        loss_a = torch.nn.functional.mse_loss(v_audio[d.loss_rows], d.target_audio)
+        alone.append(loss_a + torch.nn.functional.mse_loss(v_video, d.target_video) if d.video.shape[0] else loss_a)
+    reference = torch.stack(alone).mean()
+    reference.backward()
+    torch.testing.assert_close(packed, reference, rtol=1e-5, atol=0)
+    assert [p["teacher"] is not None for p in parts] == [False, False, True, True, False]
+    assert parts[1]["opening"] is not None and parts[0]["video"] is not None
+    for part, loss in zip(parts, alone):
+        assert sum(v for v in part.values() if v is not None) == pytest.approx(loss.item(), rel=1e-5)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)

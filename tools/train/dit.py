@@ -29,8 +29,10 @@ uniform draws u ~ U(0, 1) time-shifted as the sampler's grids are, s = k u / (1 
 velocity error over the video rows plus that over the audio rows. In a teacher document one u gives the new audio
 rows s = shift3(u) and the text rows s = shift12(u), the teacher's paired grids (`TEACHER_SIGMAS`,
 `TEACHER_TEXT_SIGMAS`: one grid index, two shifts) made continuous; the tail rows stay clean at t = 1, and the
-loss is the velocity error over the new rows only. The model runs at batch 1 (the network's packed document has no
-batch axis): `--accum` examples, of either kind, make one optimizer step.
+loss is the velocity error over the new rows only. `--accum` examples, of either kind, make one optimizer step, in
+one forward: the network's packed rows have no batch axis, so the step's documents are packed block by block
+(`pack_documents`) and each attends only to its own rows (`DocumentsAttention`), which gives every document the
+velocity it would get alone for about a third of the operations eight separate forwards dispatch.
 
 Resumable like the VAE trainer (`train_state.TrainState`); example i of a run is world seed i.
 """
@@ -51,8 +53,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from services.dit.model.checkpoint import write_trained_checkpoint
-from services.dit.model.layout import PackedLayout, pack_layout
-from services.dit.model.network import PRESETS, DiT, FullAttention, build_random
+from services.dit.model.layout import PackedLayout, pack_layout, padded_rows
+from services.dit.model.network import PRESETS, DiT, build_random
 from services.dit.stream.geometry import TEACHER_TAIL_LATENTS, Canvas, plan_request, plans_of_every_shape
 from services.dit.stream.runtime import patchify
 from services.dit.stream.schedule import AUDIO_SHIFT, TEACHER_SHIFT, VIDEO_SHIFT, model_t
@@ -334,22 +336,31 @@ LOSS_PARTS = ("video", "audio", "teacher", "opening")
 
 
 @dataclass(frozen=True)
-class FlowLoss:
-    """One example's loss and its parts: video and audio for a clip (opening instead of video for an opening clip),
-    teacher for a teacher document."""
+class Document:
+    """One example made ready for the DiT: its own layout (on the CPU), its noised input rows and the velocity its
+    loss compares with (v = x0 - e)."""
 
-    total: torch.Tensor
-    video: float | None = None
-    audio: float | None = None
-    teacher: float | None = None
-    opening: float | None = None
+    kind: str
+    """"clip", "opening" or "teacher"."""
+    layout: PackedLayout
+    text: torch.Tensor
+    """[L, text_dim]"""
+    video: torch.Tensor
+    """[Tv, 96] noised video rows (none in a teacher document)."""
+    audio: torch.Tensor
+    """[Ta, 32] audio rows, the left channel's then the right's."""
+    target_video: torch.Tensor
+    """[Tv, 96]"""
+    target_audio: torch.Tensor
+    """[n, 32] the target of the audio rows `loss_rows`."""
+    loss_rows: torch.Tensor
+    """[n] int64: the audio rows in the loss (every row of a clip; a teacher document's new rows)."""
 
 
-def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | None = None) -> FlowLoss:
-    """The velocity MSE of one example at a random noise level per modality (see the module docstring). An opening
-    clip's video is pure noise (sigma 1, the student's first state in a session's first phase): only the text can
-    tell what it shows, and its caption decides every pixel."""
-    device = next(model.parameters()).device
+def clip_document(ex: Example, device: torch.device, generator: torch.Generator | None = None) -> Document:
+    """A clip at a random noise level per modality (see the module docstring). An opening clip's video is pure
+    noise (sigma 1, the student's first state in a session's first phase): only the text can tell what it shows,
+    and its caption decides every pixel."""
     num_latents, _, lh, lw = ex.video.shape
     canvas = Canvas(width=lw * 16, height=lh * 16)
     x0_video = patchify(ex.video.to(device))  # [Tv, 96]
@@ -365,15 +376,10 @@ def flow_matching_loss(model: DiT, ex: Example, generator: torch.Generator | Non
         text_len=text_len, audio_len_per_channel=ex.audio.shape[1], video_rows=x0_video.shape[0],
         positions_text=timeline.text(0, text_len), positions_audio=timeline.audio(0, ex.audio.shape[1]),
         positions_video=video_positions(canvas, float(text_len), num_latents),
-        video_t=1.0 - sigma_v, audio_t=1.0 - sigma_a).to(device)
-    v_video, v_audio = model((1 - sigma_v) * x0_video + sigma_v * noise_v,
-                             (1 - sigma_a) * x0_audio + sigma_a * noise_a,
-                             ex.text.to(device), layout, FullAttention(layout))
-    loss_v = F.mse_loss(v_video.float(), x0_video - noise_v)
-    loss_a = F.mse_loss(v_audio.float(), x0_audio - noise_a)
-    if ex.opening:
-        return FlowLoss(loss_v + loss_a, audio=loss_a.item(), opening=loss_v.item())
-    return FlowLoss(loss_v + loss_a, loss_v.item(), loss_a.item())
+        video_t=1.0 - sigma_v, audio_t=1.0 - sigma_a)
+    return Document("opening" if ex.opening else "clip", layout, ex.text.to(device),
+                    (1 - sigma_v) * x0_video + sigma_v * noise_v, (1 - sigma_a) * x0_audio + sigma_a * noise_a,
+                    x0_video - noise_v, x0_audio - noise_a, torch.arange(x0_audio.shape[0], device=device))
 
 
 def teacher_layout(text_len: int, request_index: int, u: float) -> tuple[PackedLayout, float]:
@@ -393,26 +399,112 @@ def teacher_layout(text_len: int, request_index: int, u: float) -> tuple[PackedL
     return layout, sigma
 
 
-def teacher_loss(model: DiT, ex: TeacherExample, generator: torch.Generator | None = None) -> FlowLoss:
-    """The velocity MSE over the new audio rows of one teacher document at a random noise level (the tail rows are
-    clean, at t = 1, and outside the loss)."""
-    device = next(model.parameters()).device
+def teacher_document(ex: TeacherExample, device: torch.device, generator: torch.Generator | None = None
+                     ) -> Document:
+    """A teacher document at a random noise level: the tail rows clean, at t = 1, and outside the loss."""
     u = torch.rand((), generator=generator).item()
     layout, sigma = teacher_layout(ex.text.shape[0], ex.request_index, u)
-    layout = layout.to(device)
     x0 = ex.audio.to(device)  # [2, n_tail + A, 32]
     tail, new = x0[:, :ex.n_tail], x0[:, ex.n_tail:]
     noise = torch.randn(new.shape, generator=generator).to(device)
     rows = torch.cat([tail, (1 - sigma) * new + sigma * noise], dim=1).reshape(-1, x0.shape[-1])  # L rows, R rows
-    video = torch.zeros(0, model.args.video_row_dim, device=device)
-    _, v_audio = model(video, rows, ex.text.to(device), layout, FullAttention(layout))
-    loss = F.mse_loss(v_audio.float().reshape(x0.shape)[:, ex.n_tail:], new - noise)
-    return FlowLoss(loss, teacher=loss.item())
+    per_channel = x0.shape[1]
+    loss_rows = torch.cat([torch.arange(ex.n_tail, per_channel), torch.arange(per_channel + ex.n_tail, 2 * per_channel)])
+    empty = torch.zeros(0, PRESETS["tiny"].video_row_dim, device=device)  # no video rows (the width is the VAE's)
+    return Document("teacher", layout, ex.text.to(device), empty, rows, empty,
+                    (new - noise).reshape(-1, x0.shape[-1]), loss_rows.to(device))
 
 
-def example_loss(model: DiT, ex: Example | TeacherExample) -> FlowLoss:
-    """The loss of an example of either kind."""
-    return teacher_loss(model, ex) if isinstance(ex, TeacherExample) else flow_matching_loss(model, ex)
+def document(ex: Example | TeacherExample, device: torch.device, generator: torch.Generator | None = None
+             ) -> Document:
+    """The document of an example of either kind."""
+    if isinstance(ex, TeacherExample):
+        return teacher_document(ex, device, generator)
+    return clip_document(ex, device, generator)
+
+
+def pack_documents(layouts: list[PackedLayout]) -> tuple[PackedLayout, list[torch.Tensor]]:
+    """One layout of several documents, block by block: [every text | every audio-L | every audio-R | every video |
+    pad], each block in document order. Also, per document, the packed rows of its own rows `[n_b]` in its own
+    order [text | audio-L | audio-R | video], which is the order of its single layout's real rows."""
+    tt, a, tv = (sum(getattr(l, f) for l in layouts) for f in ("text_len", "audio_len", "video_len"))
+    seq_len = padded_rows(tt + 2 * a + tv)
+    values = list(dict.fromkeys(v for l in layouts for v in l.timestep_values))
+    positions, tags = torch.zeros(seq_len, 3), torch.full((seq_len,), -1, dtype=torch.long)
+    slots = torch.zeros(seq_len, dtype=torch.long)  # pad rows take slot 0
+    starts = [0, tt, tt + a, tt + 2 * a]  # where the next document's text, audio-L, audio-R and video rows go
+    rows = []
+    for l in layouts:
+        lens = (l.text_len, l.audio_len, l.audio_len, l.video_len)
+        own = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        starts = [s + n for s, n in zip(starts, lens)]
+        remap = torch.tensor([values.index(v) for v in l.timestep_values])
+        n = l.num_real
+        positions[own], tags[own], slots[own] = l.positions[:n], l.tags[:n], remap[l.timestep_slot[:n]]
+        rows.append(own)
+    packed = PackedLayout(
+        seq_len=seq_len, text_len=tt, audio_len=a, video_len=tv, text_index=torch.arange(tt),
+        audio_index=torch.arange(tt, tt + 2 * a), video_index=torch.arange(tt + 2 * a, tt + 2 * a + tv),
+        positions=positions, tags=tags, timestep_slot=slots, timesteps=torch.tensor(values, dtype=torch.float32),
+        timestep_values=tuple(values))
+    return packed, rows
+
+
+class DocumentsAttention:
+    """Full attention inside each of the packed documents and none across them: each document's rows attend as
+    `FullAttention` has them attend in its own layout, all documents in one batched call."""
+
+    def __init__(self, rows: list[torch.Tensor], device: torch.device):
+        n = max(len(r) for r in rows)
+        self.index = torch.stack([F.pad(r, (0, n - len(r))) for r in rows]).to(device)  # [B, N]; pads point at row 0
+        self.valid = torch.stack([torch.arange(n) < len(r) for r in rows]).to(device)  # [B, N]
+        self.mask = None if all(len(r) == n for r in rows) else self.valid[:, None, None, :]  # [B, 1, 1, N]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [S, H, D] -> per document [B, H, N, D]
+        qb, kb, vb = (x[self.index].transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=self.mask).transpose(1, 2)  # [B, N, H, D]
+        result = q.new_zeros(q.shape)  # pad rows of the packed sequence attend to nothing: their rows stay zero
+        return result.index_put((self.index[self.valid],), out[self.valid])
+
+
+def document_losses(model: DiT, docs: list[Document]) -> tuple[torch.Tensor, list[dict[str, float | None]]]:
+    """Every document in one forward of the packed rows; the mean of their losses (each the velocity MSE of its
+    video rows plus that of its audio loss rows) and, per document, its parts (`LOSS_PARTS`)."""
+    device = next(model.parameters()).device
+    layout, rows = pack_documents([d.layout for d in docs])
+    layout = layout.to(device)
+    x = torch.zeros(layout.seq_len, model.args.hidden_size, device=device)  # [S, C]
+    for d, own in zip(docs, rows):  # each text through the refiner on its own
+        x[own[:d.layout.text_len].to(device)] = model.token_refiner(model.condition_proj(d.text))
+    halves = [d.audio.unflatten(0, (2, -1)) for d in docs]  # each [2, A_b, 32]: left, right
+    audio = torch.cat([h[0] for h in halves] + [h[1] for h in halves])  # [2A, 32]: every left block, every right
+    x[layout.audio_index.to(device)] = model.audio_patch_proj(audio)
+    x[layout.video_index.to(device)] = model.video_patch_proj(torch.cat([d.video for d in docs]))
+    x = model.run_blocks(x, layout, DocumentsAttention(rows, device), range(len(model.blocks)))
+    v_video, v_audio = model.head(x, layout)  # [Tv, 96], [2A, 32] in the packed order
+    per_doc, parts = [], []
+    video_at, left_at, right_at = 0, 0, layout.audio_len
+    for d in docs:
+        tv, a = d.layout.video_len, d.layout.audio_len
+        own_v = v_video[video_at:video_at + tv]
+        own_a = torch.cat([v_audio[left_at:left_at + a], v_audio[right_at:right_at + a]])  # [2A_b, 32]: L, R
+        video_at, left_at, right_at = video_at + tv, left_at + a, right_at + a
+        loss_a = F.mse_loss(own_a.float().index_select(0, d.loss_rows), d.target_audio)
+        loss_v = F.mse_loss(own_v.float(), d.target_video) if tv else None
+        per_doc.append(loss_a if loss_v is None else loss_v + loss_a)
+        parts.append((d.kind, loss_v, loss_a))
+    values = torch.stack([p for _, v, a in parts for p in (a,) + ((v,) if v is not None else ())]).detach().tolist()
+    out: list[dict[str, float | None]] = []
+    for kind, loss_v, _ in parts:  # one read of every part's value: no sync per document
+        entry = dict.fromkeys(LOSS_PARTS)
+        audio_value = values.pop(0)
+        if kind == "teacher":
+            entry["teacher"] = audio_value
+        else:
+            entry["audio"], entry["video" if kind == "clip" else "opening"] = audio_value, values.pop(0)
+        out.append(entry)
+    return torch.stack(per_doc).mean(), out
 
 
 @dataclass(frozen=True)
@@ -463,11 +555,9 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * min(1.0, (state.step + 1) / cfg.warmup)
         optimizer.zero_grad(set_to_none=True)
-        parts = []
-        for _ in range(cfg.accum):
-            loss = example_loss(model, conditioner.encode(next(clips)))
-            (loss.total / cfg.accum).backward()
-            parts.append({part: getattr(loss, part) for part in LOSS_PARTS})  # floats: no graph kept
+        docs = [document(conditioner.encode(next(clips)), device) for _ in range(cfg.accum)]
+        loss, parts = document_losses(model, docs)  # the step's examples in one packed forward
+        loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         optimizer.step()
         state.step += 1

@@ -49,7 +49,7 @@ from services.dit.stream.schedule import (AUDIO_SIGMAS, TEACHER_MILESTONES, TEAC
                                           model_t)
 from services.dit.stream.timeline import Timeline
 from tools.train import world
-from tools.train.dit import LOSS_PARTS, REQUEST_FRAMES, Clips, Conditioner, example_loss, window_means
+from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner, document, document_losses, window_means
 from tools.train.train_state import EMA, TrainState
 from tools.train.vae import HOP, IndexRange
 
@@ -414,10 +414,10 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
         if base_clips is not None:
             with adapter.suspended():  # the base's own objective, LoRA off
                 set_trainable(model, True)
-                for _ in range(cfg.base_accum):
-                    part = example_loss(model, cond.encode(next(base_clips)))
-                    (part.total / cfg.base_accum).backward()
-                    base_window.append({k: getattr(part, k) for k in LOSS_PARTS})
+                docs = [document(cond.encode(next(base_clips)), device) for _ in range(cfg.base_accum)]
+                base_loss, parts = document_losses(model, docs)
+                base_loss.backward()
+                base_window.extend(parts)
             set_trainable(model, True)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(groups[0]["params"], 1.0))
         for group in groups[1:]:  # the base's gradients are clipped on their own scale

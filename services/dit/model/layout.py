@@ -203,10 +203,14 @@ def pack_layout(
     if ta == 0 and audio_timesteps is not None and len(audio_timesteps) != 0:
         raise ValueError(f"audio_timesteps has {len(audio_timesteps)} values but there are no audio rows")
     if audio_timesteps is not None and ta > 0:
-        vals = torch.as_tensor(audio_timesteps, dtype=torch.float64).flatten().tolist()
-        if len(vals) != ta:
-            raise ValueError(f"audio_timesteps has {len(vals)} values, expected {ta} (2 * audio_len_per_channel)")
-        audio_row_t = [_check_t(f"audio_timesteps[{i}]", v) for i, v in enumerate(vals)]
+        vals = torch.as_tensor(audio_timesteps, dtype=torch.float64).flatten()
+        if vals.numel() != ta:
+            raise ValueError(f"audio_timesteps has {vals.numel()} values, expected {ta} (2 * audio_len_per_channel)")
+        outside = ~((vals >= 0.0) & (vals <= 1.0))  # NaN too
+        if bool(outside.any()):
+            i = int(outside.nonzero()[0])
+            raise ValueError(f"audio_timesteps[{i}]={vals[i].item()} must lie in [0, 1] (t = 1 - sigma)")
+        audio_row_t = vals.to(torch.float32).tolist()  # one rounding to float32 for every row, as `_check_t` rounds
     elif ta > 0:
         audio_row_t = [_check_t("audio_t", audio_t)] * ta
     else:
