@@ -341,7 +341,7 @@ class Document:
     loss compares with (v = x0 - e)."""
 
     kind: str
-    """"clip", "opening" or "teacher"."""
+    """One of "clip", "opening" or "teacher"."""
     layout: PackedLayout
     text: torch.Tensor
     """[L, text_dim]"""
