@@ -213,6 +213,12 @@ class SessionBatch:
         self.canvas = Canvas(width=lw * 16, height=lh * 16)
         self.timelines = [Timeline(self.canvas, origin=float(s.texts[0].shape[0])) for s in sessions]
 
+    def refined_texts(self, model: DiT, k: int) -> list[torch.Tensor]:
+        """Request `k`'s text rows `[L_b, C]` of every session through the condition projection and the token
+        refiner. Neither sees the phase, the step or the noise level, so one loss computes them once a request and
+        all of the request's forwards share them (their gradients add up there)."""
+        return [model.token_refiner(model.condition_proj(s.texts[k].to(self.device))) for s in self.sessions]
+
     def clean(self, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Clean video rows `[B, Tv, 96]` and audio rows `[B, 2A, 32]` (L rows then R rows) of phase `ph`."""
         first = request_latent_start(ph.request_index) + ph.latent_offset
@@ -237,14 +243,15 @@ class SessionBatch:
 
 
 def forward(model: DiT, batch: SessionBatch, ph: PhasePlan, video: torch.Tensor, audio: torch.Tensor,
-            sigma_v: float, sigma_a: float, history, commit: bool):
+            sigma_v: float, sigma_a: float, history, commit: bool, texts: list[torch.Tensor] | None = None):
     """One student (or commit) forward of phase `ph` for the batch: video velocity `[B, Tv, 96]` (None for a
-    commit) and the attention (its `committed` K/V after a commit)."""
+    commit) and the attention (its `committed` K/V after a commit). `texts`: the request's refined texts where the
+    caller already has them (`SessionBatch.refined_texts`)."""
     # video: [B, Tv, 96], audio: [B, 2A, 32] (L rows then R rows per session)
     layout, lens = batch.layout(ph, sigma_v, sigma_a)
     b, tv, a = video.shape[0], video.shape[1], ph.num_audio_latents
     k = ph.request_index
-    texts = [model.token_refiner(model.condition_proj(s.texts[k].to(batch.device))) for s in batch.sessions]
+    texts = batch.refined_texts(model, k) if texts is None else texts
     rows_a = model.audio_patch_proj(torch.cat([audio[:, :a].flatten(0, 1), audio[:, a:].flatten(0, 1)]))
     rows_v = model.video_patch_proj(video.flatten(0, 1))
     pad = layout.seq_len - layout.num_real
@@ -272,6 +279,7 @@ def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, se
     total = 0.0
     n = 0
     for k in range(REQUESTS):
+        texts = batch.refined_texts(model, k)  # once a request: every forward of it takes the same
         for ph in plan_request(k).phases:
             x0_v, x0_a = batch.clean(ph)
             e_v = torch.randn(x0_v.shape, generator=generator).to(batch.device)
@@ -283,18 +291,19 @@ def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, se
                 if not self_rollout:
                     x = (1 - sv) * x0_v + sv * e_v
                 xa = (1 - sa) * x0_a + sa * e_a
-                v, _ = forward(model, batch, ph, x, xa, sv, AUDIO_SIGMAS[s], history, commit=False)
+                v, _ = forward(model, batch, ph, x, xa, sv, AUDIO_SIGMAS[s], history, commit=False, texts=texts)
                 x0_hat = x + sv * v
                 loss = F.mse_loss(x0_hat, x0_v)
                 total = total + loss
-                per_step[s].append(loss.item())
+                per_step[s].append(loss.detach())
                 x = euler_step(x, v.detach(), sv, VIDEO_SIGMAS[s + 1]).detach()
-            _, att = forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True)
+            _, att = forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True, texts=texts)
             commits.append((n, att.committed))
             audio_rows.append(x0_a.shape[1])
             n += 1
     count = n * STEPS
-    return StudentLoss(total / count, tuple(float(np.mean(p)) for p in per_step))
+    steps = torch.stack([torch.stack(p) for p in per_step]).mean(dim=1).tolist()  # one read, no sync a forward
+    return StudentLoss(total / count, tuple(steps))
 
 
 def student_adapter(model: DiT, rank: int, seed: int) -> LoRAAdapter:
