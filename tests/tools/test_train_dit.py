@@ -234,3 +234,35 @@ def test_documents_packed_in_one_forward_give_each_the_loss_and_gradient_of_its_
     for name, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_caching_run_renders_each_distinct_seed_once_and_trains_as_a_run_that_renders_every_sample(
+        conditioner, tmp_path, monkeypatch):
+    rendered = []
+    real = trainer.render_example
+    monkeypatch.setattr(trainer, "render_example", lambda seed, *a: rendered.append(seed) or real(seed, *a))
+    cfg = trainer.DiTRunConfig(frames=22, accum=2, lr=2e-3, warmup=1, max_steps=4, log_every=1, distinct=3,
+                               teacher_docs=0.5, openings=0.5)
+    kinds = {trainer.seen(s, 0.5, 0.5) for s in range(3)}
+    assert {k.request_index is None for k in kinds} == {True, False}  # clips and teacher documents among them
+    cached = trainer.train(cfg, conditioner, tmp_path / "cached")
+    assert rendered == [0, 1, 2]  # 8 samples of 3 seeds
+    rendered.clear()
+    trainer.train(replace(cfg, max_steps=2), conditioner, tmp_path / "resumed")
+    resumed = trainer.train(cfg, conditioner, tmp_path / "resumed")
+    assert rendered == [0, 1, 2, 1, 2, 0]  # a resumed process renders its first 3 samples again
+
+    root = tmp_path / "minimax"  # the same trees (the random writers are seeded), a conditioner that keeps nothing
+    write_encoder("tiny", root)
+    write_vaes("tiny", root)
+    rendered.clear()
+    every = trainer.train(cfg, trainer.Conditioner(root, root, torch.device("cpu"), frames=22), tmp_path / "every")
+    assert len(rendered) == 8
+    for (name, a), b, c in zip(cached.model.state_dict().items(), resumed.model.state_dict().values(),
+                               every.model.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+def test_a_seed_named_as_encoded_that_the_conditioner_never_encoded_is_refused(conditioner):
+    with pytest.raises(KeyError, match="seed 99999 .* was named as encoded"):
+        conditioner.encode(trainer.Seen(99999, None, False))

@@ -182,6 +182,23 @@ def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float 
     return _render_clip(seed, scene, start, frames)
 
 
+@dataclass(frozen=True)
+class Seen:
+    """A sample whose seed this run has already encoded: nothing rendered, the conditioner's cache holds it."""
+
+    seed: int
+    request_index: int | None
+    """Its teacher document's request (None: a clip)."""
+    opening: bool
+
+
+def seen(seed: int, teacher_docs: float, openings: float) -> Seen:
+    """What `render_example` would render for `seed`, named without rendering it."""
+    request = teacher_request(seed, teacher_docs)
+    opening = request is None and bool(np.random.default_rng([seed, 1]).random() < openings)
+    return Seen(seed, request, opening)
+
+
 def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
     """The clip of world seed `seed`: its scene from a random start frame in the first 10 s (numpy only)."""
     scene, start, _, _ = _draw(seed, 0.0)
@@ -197,19 +214,25 @@ def render_teacher_clip(seed: int, request_index: int) -> TeacherClip:
 class Clips(Dataset):
     """Sample i: what seed `base + i` renders to (`base + i % distinct` when only `distinct` seeds are used), a
     teacher document for a `teacher_docs` fraction of the seeds and an opening clip for an `openings` fraction of
-    the clips (`render_example`)."""
+    the clips (`render_example`).
+
+    `encoded_after`: a run whose conditioner caches, from its first sample on: past the first `distinct` samples
+    every seed has been encoded, so the workers name it (`Seen`) instead of rendering it again."""
 
     def __init__(self, frames: int, base: int = TRAIN_SEED, distinct: int | None = None,
-                 teacher_docs: float = 0.0, openings: float = 0.0) -> None:
+                 teacher_docs: float = 0.0, openings: float = 0.0, encoded_after: int | None = None) -> None:
         self.frames, self.base, self.distinct = frames, base, distinct
         self.teacher_docs, self.openings = teacher_docs, openings
+        self.encoded_after = encoded_after
 
     def __len__(self) -> int:
         return 1 << 40
 
-    def __getitem__(self, i: int) -> Clip | TeacherClip:
-        return render_example(self.base + (i % self.distinct if self.distinct else i), self.frames, self.teacher_docs,
-                              self.openings)
+    def __getitem__(self, i: int) -> Clip | TeacherClip | Seen:
+        seed = self.base + (i % self.distinct if self.distinct else i)
+        if self.distinct and self.encoded_after is not None and i >= self.encoded_after + self.distinct:
+            return seen(seed, self.teacher_docs, self.openings)
+        return render_example(seed, self.frames, self.teacher_docs, self.openings)
 
 
 @dataclass(frozen=True)
@@ -267,6 +290,10 @@ class Conditioner:
         return (torch.tensor(vae.config.latents_mean, **kw).view(shape),
                 torch.tensor(vae.config.latents_std, **kw).view(shape))
 
+    @property
+    def caches(self) -> bool:
+        return self._cache is not None
+
     def cached(self, key: tuple, make: Callable[[], T]) -> T:
         """`make()`, kept under `key` when this conditioner caches."""
         if self._cache is None:
@@ -283,12 +310,18 @@ class Conditioner:
         """Request `request_index`'s audio teacher document of world seed `seed`."""
         return self.encode(render_teacher_clip(seed, request_index))
 
-    def encode(self, clip: Clip | TeacherClip) -> Example | TeacherExample:
-        """The example of a rendered clip or teacher document."""
+    def encode(self, clip: Clip | TeacherClip | Seen) -> Example | TeacherExample:
+        """The example of a rendered clip or teacher document, or of one already encoded (`Seen`)."""
+        if isinstance(clip, Seen):
+            key = (clip.seed, clip.request_index, clip.opening)
+            if self._cache is None or key not in self._cache:
+                raise KeyError(f"seed {clip.seed} ({key}) was named as encoded, but this conditioner holds no such "
+                               "example: only a caching conditioner's run from its first sample may skip rendering")
+            return self._cache[key]
         if isinstance(clip, TeacherClip):
-            return self.cached((clip.seed, clip.request_index), lambda: TeacherExample(
+            return self.cached((clip.seed, clip.request_index, False), lambda: TeacherExample(
                 clip.caption, self.encode_caption(clip.caption), clip.request_index, self.encode_wave(clip.wave)))
-        return self.cached((clip.seed, None), lambda: Example(
+        return self.cached((clip.seed, None, clip.opening), lambda: Example(
             clip.caption, self.encode_caption(clip.caption), self.encode_frames(clip.frames),
             self.encode_wave(clip.wave), clip.opening))
 
@@ -546,8 +579,10 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
     torch.manual_seed(cfg.seed)
     state.load(state_dir, expect=dict(dims=cfg.dims, frames=cfg.frames))
     state_dir.mkdir(parents=True, exist_ok=True)
-    clips = iter(DataLoader(Clips(cfg.frames, TRAIN_SEED, cfg.distinct, cfg.teacher_docs, cfg.openings),
-                            batch_size=None, sampler=IndexRange(state.step * cfg.accum), num_workers=cfg.workers,
+    first = state.step * cfg.accum
+    clips = iter(DataLoader(Clips(cfg.frames, TRAIN_SEED, cfg.distinct, cfg.teacher_docs, cfg.openings,
+                                  encoded_after=first if conditioner.caches else None),
+                            batch_size=None, sampler=IndexRange(first), num_workers=cfg.workers,
                             pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
                             generator=torch.Generator()))  # its own: iterating must not draw from the resumed RNG
     started, seconds_before, window = time.monotonic(), state.seconds, []

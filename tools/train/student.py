@@ -406,9 +406,10 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                   prefetch_factor=4 if cfg.workers else None)
     clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct), sampler=IndexRange(state.step * cfg.sessions),
                             generator=torch.Generator(), **loader))
+    first_base = state.step * cfg.base_accum
     base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, distinct=cfg.distinct, teacher_docs=cfg.teacher_docs,
-                                       openings=cfg.openings),
-                                 sampler=IndexRange(state.step * cfg.base_accum), generator=torch.Generator(),
+                                       openings=cfg.openings, encoded_after=first_base if cond.caches else None),
+                                 sampler=IndexRange(first_base), generator=torch.Generator(),
                                  **loader)) if cfg.train_base else None
     generator = torch.Generator().manual_seed(cfg.seed)
     started, seconds_before, window, base_window = time.monotonic(), state.seconds, [], []
