@@ -19,6 +19,7 @@ from services.dit.stream.timeline import Timeline
 from services.encoder.checkpoint import write_random_checkpoint as write_encoder
 from services.vae.checkpoint import write_random_checkpoint as write_vaes
 from tools.train import dit as trainer
+from tools.train import documents
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -41,8 +42,8 @@ def test_an_example_is_a_whole_clip_in_normalised_latents_with_its_caption(condi
 
 def test_the_noise_levels_follow_the_samplers_shifts():
     u = torch.tensor([0.0, 0.5, 1.0])
-    assert trainer.shifted(u, 12.0).tolist() == pytest.approx([0.0, 12 / 13, 1.0])
-    assert trainer.shifted(u, 3.0).tolist() == pytest.approx([0.0, 0.75, 1.0])
+    assert documents.shifted(u, 12.0).tolist() == pytest.approx([0.0, 12 / 13, 1.0])
+    assert documents.shifted(u, 3.0).tolist() == pytest.approx([0.0, 0.75, 1.0])
 
 
 def test_training_lowers_the_loss_on_one_clip_and_a_resumed_run_continues(conditioner, tmp_path):
@@ -79,7 +80,7 @@ def test_a_teacher_document_is_laid_out_as_the_served_teacher_lays_it_out(condit
     assert len(seen) == len(TEACHER_SIGMAS) - 1
     grid = torch.linspace(1.0, 0.0, TEACHER_GRID)  # the u of each teacher state
     for step, (_, served) in enumerate(seen):
-        ours, sigma = trainer.teacher_layout(text_len, request_index, float(grid[step]))
+        ours, sigma = documents.teacher_layout(text_len, request_index, float(grid[step]))
         assert sigma == pytest.approx(TEACHER_SIGMAS[step], abs=1e-6)
         assert (ours.seq_len, ours.text_len, ours.audio_len, ours.video_len) == \
             (served.seq_len, served.text_len, served.audio_len, served.video_len) == \
@@ -89,7 +90,7 @@ def test_a_teacher_document_is_laid_out_as_the_served_teacher_lays_it_out(condit
 
     hook.remove()
     # the trainer's document: the served tail rows, clean at t = 1, then the new rows at one noise level
-    doc = trainer.teacher_document(ex, torch.device("cpu"))
+    doc = documents.teacher_document(ex, torch.device("cpu"))
     rows, layout = doc.audio, doc.layout
     rows, row_t = rows.reshape(2, -1, 32), torch.tensor(_row_t(layout))[layout.audio_index].reshape(2, -1)
     assert torch.equal(rows[:, :n_tail], ex.audio[:, :n_tail]) and (row_t[:, :n_tail] == 1).all()
@@ -164,8 +165,8 @@ def test_an_exported_state_loads_through_load_dit_with_the_trainers_forward(cond
             if not is_fp32_param(name):
                 p.copy_(p.to(torch.bfloat16).float())
     ex = conditioner.example(trainer.TRAIN_SEED)
-    doc = trainer.clip_document(ex, torch.device("cpu"), torch.Generator().manual_seed(5))
-    (_, [want]), (_, [got]) = trainer.document_losses(expect, [doc]), trainer.document_losses(loaded, [doc])
+    doc = documents.clip_document(ex, torch.device("cpu"), torch.Generator().manual_seed(5))
+    (_, [want]), (_, [got]) = documents.document_losses(expect, [doc]), documents.document_losses(loaded, [doc])
     assert got["video"] == pytest.approx(want["video"], rel=1e-5) and got["audio"] == pytest.approx(want["audio"], rel=1e-5)
 
 
@@ -198,8 +199,8 @@ def test_an_opening_clips_video_is_given_as_pure_noise_and_logged_apart(conditio
     for opening in (False, True):
         for scale in (1.0, 3.0):  # other clean video: the input moves unless it is pure noise
             changed = replace(ex, video=ex.video * scale, opening=opening)
-            doc = trainer.clip_document(changed, torch.device("cpu"), torch.Generator().manual_seed(1))
-            _, [parts] = trainer.document_losses(model, [doc])
+            doc = documents.clip_document(changed, torch.device("cpu"), torch.Generator().manual_seed(1))
+            _, [parts] = documents.document_losses(model, [doc])
             assert (parts["opening"] is None) != opening and (parts["video"] is None) == opening
             inputs.append(doc.video)
     assert not torch.equal(inputs[0], inputs[1])
@@ -212,9 +213,9 @@ def test_documents_packed_in_one_forward_give_each_the_loss_and_gradient_of_its_
     cpu = torch.device("cpu")
     examples = [conditioner.example(3), replace(conditioner.example(4), opening=True),
                 conditioner.teacher_example(5, 0), conditioner.teacher_example(6, 3), conditioner.example(7)]
-    docs = [trainer.document(ex, cpu, torch.Generator().manual_seed(i)) for i, ex in enumerate(examples)]
+    docs = [documents.document(ex, cpu, torch.Generator().manual_seed(i)) for i, ex in enumerate(examples)]
     model = build_random(PRESETS["tiny"], "cpu", torch.float32, 0).requires_grad_(True)
-    packed, parts = trainer.document_losses(model, docs)
+    packed, parts = documents.document_losses(model, docs)
     packed.backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()

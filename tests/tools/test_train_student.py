@@ -69,13 +69,15 @@ def test_batched_student_forwards_equal_the_runtimes_over_eight_phases(model):
             x0_v, x0_a = batch.clean(ph)
             history = student.retained(commits, audio_rows)
             xv = torch.randn(x0_v.shape, generator=gen)
-            v, _ = student.forward(model, batch, ph, xv, x0_a, 0.9612, 0.8609, history, commit=False)
+            v, _ = student.forward(model, batch, ph, xv, x0_a, 0.9612, 0.8609, history, commit=False,
+                                   texts=batch.refined_texts(model, ph.request_index))
             for b, sess in enumerate(sessions):
                 want = _runtime_phase(model, caches[b], sess, batch.timelines[b], ph, xv[b], x0_a[b], 0.9612, 0.8609,
                                       commit=False)
                 torch.testing.assert_close(v[b], want, atol=2e-5, rtol=1e-4,
                                            msg=f"phase {k}.{ph.phase_index}, session {b}")
-            _, att = student.forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True)
+            _, att = student.forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True,
+                                     texts=batch.refined_texts(model, ph.request_index))
             for b, sess in enumerate(sessions):
                 _runtime_phase(model, caches[b], sess, batch.timelines[b], ph, x0_v[b], x0_a[b], 0.0, 0.0, commit=True)
             commits.append((n, att.committed))
@@ -178,9 +180,12 @@ def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_re
     ph = plan_request(0).phases[0]
     xv, xa = batch.clean(ph)
     with torch.no_grad():
-        want, _ = student.forward(reference, batch, ph, xv, xa, 1.0, 1.0, [], commit=False)
-        got, _ = student.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False)
+        want, _ = student.forward(reference, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
+                                  texts=batch.refined_texts(reference, ph.request_index))
+        got, _ = student.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
+                                 texts=batch.refined_texts(served, ph.request_index))
         with served_lora.suspended():
-            base_out, _ = student.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False)
+            base_out, _ = student.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
+                                          texts=batch.refined_texts(served, ph.request_index))
     torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
     assert (got - base_out).abs().max() > 1e-4  # the adapter is not a no-op on the exported base

@@ -49,7 +49,8 @@ from services.dit.stream.schedule import (AUDIO_SIGMAS, TEACHER_MILESTONES, TEAC
                                           model_t)
 from services.dit.stream.timeline import Timeline
 from tools.train import world
-from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner, document, document_losses, window_means
+from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner
+from tools.train.documents import document, document_losses, window_means
 from tools.train.train_state import EMA, TrainState
 from tools.train.vae import HOP, IndexRange
 
@@ -243,15 +244,13 @@ class SessionBatch:
 
 
 def forward(model: DiT, batch: SessionBatch, ph: PhasePlan, video: torch.Tensor, audio: torch.Tensor,
-            sigma_v: float, sigma_a: float, history, commit: bool, texts: list[torch.Tensor] | None = None):
+            sigma_v: float, sigma_a: float, history, commit: bool, texts: list[torch.Tensor]):
     """One student (or commit) forward of phase `ph` for the batch: video velocity `[B, Tv, 96]` (None for a
-    commit) and the attention (its `committed` K/V after a commit). `texts`: the request's refined texts where the
-    caller already has them (`SessionBatch.refined_texts`)."""
+    commit) and the attention (its `committed` K/V after a commit). `texts`: the request's refined texts
+    (`SessionBatch.refined_texts`)."""
     # video: [B, Tv, 96], audio: [B, 2A, 32] (L rows then R rows per session)
     layout, lens = batch.layout(ph, sigma_v, sigma_a)
     b, tv, a = video.shape[0], video.shape[1], ph.num_audio_latents
-    k = ph.request_index
-    texts = batch.refined_texts(model, k) if texts is None else texts
     rows_a = model.audio_patch_proj(torch.cat([audio[:, :a].flatten(0, 1), audio[:, a:].flatten(0, 1)]))
     rows_v = model.video_patch_proj(video.flatten(0, 1))
     pad = layout.seq_len - layout.num_real
