@@ -228,8 +228,8 @@ class Conditioner:
 
     The text of each caption is encoded once (the world has 540 captions and the encoder is frozen). With `cache`
     (a run over `--distinct` seeds) every encoded example is kept by its key: the video encoder is most of a
-    step's cost (a 124-frame clip: 613 GFLOP to encode, against about 4 GFLOP of matmuls for the DiT's forward and
-    backward, torch's FLOP counter), so a seed met again costs only the DiT."""
+    step's cost (a 124-frame clip: 603 GFLOP to encode, against 3.6 GFLOP of matmuls for the DiT's forward and
+    backward, `python -m tools.train.cost`), so a seed met again costs only the DiT."""
 
     def __init__(self, vae_root: Path, encoder_root: Path, device: torch.device, frames: int = REQUEST_FRAMES,
                  cache: bool = False) -> None:
