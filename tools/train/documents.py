@@ -156,7 +156,8 @@ def teacher_document(ex: TeacherExample, device: torch.device, generator: torch.
     noise = torch.randn(new.shape, generator=generator).to(device)
     rows = torch.cat([tail, (1 - sigma) * new + sigma * noise], dim=1).reshape(-1, x0.shape[-1])  # L rows, R rows
     per_channel = x0.shape[1]
-    loss_rows = torch.cat([torch.arange(ex.n_tail, per_channel), torch.arange(per_channel + ex.n_tail, 2 * per_channel)])
+    loss_rows = torch.cat([torch.arange(ex.n_tail, per_channel),  # the new rows of the left channel, then the right
+                           torch.arange(per_channel + ex.n_tail, 2 * per_channel)])
     empty = torch.zeros(0, PRESETS["tiny"].video_row_dim, device=device)  # no video rows (the width is the VAE's)
     return Document("teacher", layout, ex.text.to(device), empty, rows, empty,
                     (new - noise).reshape(-1, x0.shape[-1]), loss_rows.to(device))

@@ -256,8 +256,8 @@ class PosteriorBank:
     With `--freeze-encoder` the encoder no longer changes, so a window's posterior is the same at every visit; with
     `--distinct` the windows recur. A decoder-only run then pays the encoder once per window instead of once per
     step, and the encoder is almost all of the cost: a 22-frame window takes 150.7 GFLOP to encode and 1.5 GFLOP to
-    decode (`python -m tools.train.cost`, `DIMS["trained"]`). Each window is encoded on its own, so what the bank holds does
-    not depend on which windows shared a batch, and a resumed run refills it with the same values."""
+    decode (`python -m tools.train.cost`, `DIMS["trained"]`). Each window is encoded on its own, so what the bank
+    holds does not depend on which windows shared a batch, and a resumed run refills it with the same values."""
 
     def __init__(self, distinct: int) -> None:
         self.distinct = distinct
