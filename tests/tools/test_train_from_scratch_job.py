@@ -25,9 +25,10 @@ PART_LIMIT = 16 * 1024 * 1024  # what one returned file may hold
 
 # The stand-in: `PY -m tools.train.<trainer> ...`. It logs the call, then behaves as the trainer would on disk:
 # a resumed state is kept, a new one is written (STATE_MB of bytes for a VAE), --export gets the trainer's layout;
-# a trainer named in FAIL (vae:dec: the decoders alone) exits 1 after saving its state.
+# a trainer named in FAIL (vae:dec: the decoders alone) exits 1 after saving its state; one named in HOLD trains
+# until a file `stop` appears in its state directory (at most 30 s), takes it away and records that it stopped.
 STAND_IN = r'''#!{python}
-import hashlib, json, os, sys
+import hashlib, json, os, sys, time
 from pathlib import Path
 args = sys.argv[1:]
 module = args[1]
@@ -45,6 +46,14 @@ state.parent.mkdir(parents=True, exist_ok=True)
 if handed is None:
     size = int(float(os.environ.get("STATE_MB", "1")) * 1024 * 1024) if trainer == "vae" else 4096
     state.write_bytes(os.urandom(size))
+if trainer in os.environ.get("HOLD", "").split(","):
+    stop, waited = state.parent / "stop", 0.0
+    while not stop.exists() and waited < 30:
+        time.sleep(0.1)
+        waited += 0.1
+    with open(os.environ["CALLS"], "a") as log:
+        log.write(json.dumps({{"trainer": trainer, "stopped": stop.exists(), "kind": None, "freeze": False}}) + "\n")
+    stop.unlink(missing_ok=True)
 if {{trainer, trainer + (":dec" if "--freeze-encoder" in opts else "")}} & set(os.environ.get("FAIL", "").split(",")):
     sys.exit(1)  # a crash after the state was saved, before the export
 for key in ("--export", "--export-base"):
@@ -158,3 +167,14 @@ def test_a_lost_stage_2_returns_stage_1s_vaes_and_the_video_decoders_state_and_t
     assert "job exit 0" in log
     with tarfile.open(out / "vae.tar") as tar:  # the video decoder trained on, stage 1's audio VAE taken as final
         assert {"vae/vae/config.json", "vae/audio_vae/config.json"} <= set(tar.getnames())
+
+
+def test_a_collect_asked_to_stop_the_base_ends_it_and_the_job_goes_on_to_the_student(tmp_path):
+    calls, out, log = _run(tmp_path, "stopped", HOLD="dit", STOP="base", STOP_AFTER="1")
+    held = [c for c in calls if "stopped" in c]
+    assert held == [{"trainer": "dit", "stopped": True, "kind": None, "freeze": False}]
+    assert _steps(calls)[-1] == "student" and "job exit 0" in log
+    assert "asked base to stop" in log
+    assert not (tmp_path / "stopped" / "state" / "base" / "stop").exists()  # taken: a resumed base trains on
+    with tarfile.open(out / "dit.tar") as tar:
+        assert {n.split("/")[0] for n in tar.getnames()} == {"base_stage2", "base", "lora"}

@@ -52,6 +52,16 @@ def test_a_resumed_audio_run_continues_the_step_count_and_ends_where_an_unbroken
     assert wave.shape == (2, 2400)
 
 
+def test_a_stop_file_ends_a_run_at_its_next_step_and_the_resumed_run_trains_on(tmp_path):
+    cfg = trainer.RunConfig(kind="audio", dims="tiny", batch=1, lr=2e-3, warmup=1, max_steps=3, log_every=1,
+                            workers=0, distinct=2, audio_latents=8)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "stop").touch()
+    assert trainer.train(cfg, tmp_path / "run", "cpu").step == 1
+    assert not (tmp_path / "run" / "stop").exists()
+    assert trainer.train(cfg, tmp_path / "run", "cpu").step == 3  # resumed from the saved step 1
+
+
 def test_a_state_of_another_kind_is_refused(tmp_path):
     cfg = trainer.RunConfig(kind="audio", dims="tiny", batch=1, max_steps=1, workers=0, audio_latents=8)
     trainer.train(cfg, tmp_path, "cpu")

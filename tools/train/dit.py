@@ -56,7 +56,7 @@ from services.encoder.model import TextEncoder
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from tools.train import world
 from tools.train.documents import Example, TeacherExample, document, document_losses, tail_latents, window_means
-from tools.train.train_state import EMA, TrainState
+from tools.train.train_state import EMA, TrainState, stop_requested
 from tools.train.vae import HOP, TRAIN_SEED, IndexRange, encode_video, to_model_space
 
 T = TypeVar("T")
@@ -375,7 +375,7 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
             log.info("dit step %d %s", state.step,
                      " ".join(f"{k} {'-' if v is None else f'{v:.4f}'}" for k, v in means.items()))
             window.clear()
-        done = elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+        done = stop_requested(state_dir) or elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
         if done:

@@ -3,13 +3,17 @@
 # that outlives the device call that starts it (each call is at most 10 minutes; the job needs about 25).
 #
 #   W=<work dir> ENCODER_ROOT=<tiny MiniMax-H3 tree> tools/train/run_from_scratch_gpu.sh start
-#   W=<work dir> OUT=<results dir> WAIT=<seconds> tools/train/run_from_scratch_gpu.sh collect
+#   W=<work dir> OUT=<results dir> WAIT=<seconds> [STOP="<trainers>" STOP_AFTER=<seconds>] \
+#       tools/train/run_from_scratch_gpu.sh collect
 #
 # `start` detaches the job (setsid) and returns. `collect` waits WAIT seconds or until the job is done, whichever
 # comes first, then copies what exists into $OUT, within what a call may return (8 files, 16 MiB each, 64 MiB in
 # all): vae.tar (the final VAEs) or, until they are done, vae_root.tar (stage 1's), dit.tar (the base after stage
 # 2, the student's LoRA and base), logs.tar, and the resumable states of the trainers still training (the VAEs'
 # in parts of 15 MiB: NAME.state.pt.partNN).
+# STOP names trainers (vae_video vae_audio base joint, or all) to end STOP_AFTER seconds into the wait (default 0):
+# each saves, exports and hands on to the next stage as if its minutes were up (a file `stop` in its state
+# directory), so a call whose device time runs out can still end with the job's exports.
 # Each call that collects keeps the machine busy, so the job goes on. A call that starts with FROM=<a folder of what
 # an earlier call returned> carries on from there (carry_in, below): a lost machine loses only the time since the
 # last collect, and a run can span calls that each stand alone.
@@ -129,14 +133,24 @@ start)
     [ -n "${FROM:-}" ] && carry_in
     export PYTHONUNBUFFERED=1 W ENCODER_ROOT PY
     export -f job stage vaes_done train_vae decoder
-    setsid bash -c 'job > "$W/logs/job.log" 2>&1; echo $? > "$W/done"' < /dev/null &
+    # the job's own output too goes to its log: a caller reading start's output must not wait for the job's end
+    setsid bash -c 'job; echo $? > "$W/done"' > "$W/logs/job.log" 2>&1 < /dev/null &
     sleep 2
     cat "$W/progress" 2>/dev/null
     ;;
 collect)
     : "${OUT:?set OUT to the results directory}"
-    end=$(( $(date +%s) + ${WAIT:-0} ))
-    while [ ! -f "$W/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    now=$(date +%s)
+    end=$(( now + ${WAIT:-0} )) stop_at=$(( now + ${STOP_AFTER:-0} )) stop=${STOP:-}
+    [ "$stop" = all ] && stop="vae_video vae_audio base joint"
+    while [ ! -f "$W/done" ] && [ "$(date +%s)" -lt "$end" ]; do
+        if [ -n "$stop" ] && [ "$(date +%s)" -ge "$stop_at" ]; then
+            for s in $stop; do mkdir -p "$W/state/$s" && touch "$W/state/$s/stop"; done
+            echo "$(date -u +%T) asked $stop to stop" | tee -a "$W/progress"
+            stop=""
+        fi
+        sleep 5
+    done
     cat "$W/progress"
     [ -f "$W/done" ] && echo "job exit $(cat "$W/done")"
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null

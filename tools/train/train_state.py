@@ -20,6 +20,19 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
+STOP_FILE = "stop"
+
+
+def stop_requested(directory: Path) -> bool:
+    """True when a file `stop` has appeared in the state directory `directory`, which it then removes: a caller
+    that must end a run by a deadline of its own asks the trainer to save (and export) at its next step, as if its
+    minutes were up. Removed, so the run resumed from that state trains on."""
+    path = directory / STOP_FILE
+    if not path.exists():
+        return False
+    path.unlink(missing_ok=True)
+    log.info("%s asked the run to end now", path)
+    return True
 
 
 class EMA:
