@@ -264,6 +264,27 @@ def test_a_caching_run_renders_each_distinct_seed_once_and_trains_as_a_run_that_
         assert torch.equal(a, b) and torch.equal(a, c), name
 
 
+def test_openings_of_one_caption_are_encoded_once_even_by_a_conditioner_that_keeps_no_seeds(tmp_path, monkeypatch):
+    root = tmp_path / "minimax"
+    write_encoder("tiny", root)
+    write_vaes("tiny", root)
+    cond = trainer.Conditioner(root, root, torch.device("cpu"), frames=22)
+    by_caption: dict[str, list] = {}
+    for seed in range(200):  # 540 opening captions: 200 seeds share some
+        clip = trainer.render_example(seed, 22, 0.0, openings=1.0)
+        by_caption.setdefault(clip.caption, []).append(clip)
+    first, second = next(clips for clips in by_caption.values() if len(clips) >= 2)[:2]
+    other = next(clips[0] for caption, clips in by_caption.items() if caption != first.caption)
+    encodes = []
+    real = cond.encode_frames
+    monkeypatch.setattr(cond, "encode_frames", lambda frames: encodes.append(1) or real(frames))
+    a, b, c = cond.encode(first), cond.encode(second), cond.encode(other)
+    assert len(encodes) == 2 and b is a and c is not a and a.opening and c.opening
+    assert torch.equal(b.video, real(second.frames)) and torch.equal(b.audio, cond.encode_wave(second.wave))
+    plain = replace(first, opening=False)  # the same pixels as a clip: not taken from the openings
+    assert not cond.encode(plain).opening and len(encodes) == 3
+
+
 def test_a_seed_named_as_encoded_that_the_conditioner_never_encoded_is_refused(conditioner):
     with pytest.raises(KeyError, match="seed 99999 .* was named as encoded"):
         conditioner.encode(trainer.Seen(99999, None, False))

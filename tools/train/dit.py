@@ -229,7 +229,9 @@ class Conditioner:
     The text of each caption is encoded once (the world has 540 captions and the encoder is frozen). With `cache`
     (a run over `--distinct` seeds) every encoded example is kept by its key: the video encoder is most of a
     step's cost (a 124-frame clip: 603 GFLOP to encode, against 3.6 GFLOP of matmuls for the DiT's forward and
-    backward, `python -m tools.train.cost`), so a seed met again costs only the DiT."""
+    backward, `python -m tools.train.cost`), so a seed met again costs only the DiT. An opening clip's caption
+    decides its every pixel and sample (`world.opening_scene`), so openings are kept by caption in any run: at
+    most 540 are ever encoded (about 0.7 MB of latents each at 124 frames)."""
 
     def __init__(self, vae_root: Path, encoder_root: Path, device: torch.device, frames: int = REQUEST_FRAMES,
                  cache: bool = False) -> None:
@@ -241,6 +243,7 @@ class Conditioner:
         self.text = TextEncoder.load(encoder_root, "tiny", device, dtype=torch.float32)
         self._texts: dict[str, torch.Tensor] = {}
         self._cache: dict[tuple, object] | None = {} if cache else None
+        self._openings: dict[str, Example] = {}
 
     def _stats(self, vae, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         kw = dict(device=self.device, dtype=torch.float32)
@@ -278,9 +281,17 @@ class Conditioner:
         if isinstance(clip, TeacherClip):
             return self.cached((clip.seed, clip.request_index, False), lambda: TeacherExample(
                 clip.caption, self.encode_caption(clip.caption), clip.request_index, self.encode_wave(clip.wave)))
-        return self.cached((clip.seed, None, clip.opening), lambda: Example(
+        return self.cached((clip.seed, None, clip.opening), lambda: self._opening(clip) if clip.opening else Example(
             clip.caption, self.encode_caption(clip.caption), self.encode_frames(clip.frames),
-            self.encode_wave(clip.wave), clip.opening))
+            self.encode_wave(clip.wave)))
+
+    def _opening(self, clip: Clip) -> Example:
+        """The example of an opening clip: the one of its caption, encoded the first time the caption opens."""
+        if clip.caption not in self._openings:
+            self._openings[clip.caption] = Example(clip.caption, self.encode_caption(clip.caption),
+                                                   self.encode_frames(clip.frames), self.encode_wave(clip.wave),
+                                                   opening=True)
+        return self._openings[clip.caption]
 
     @torch.no_grad()
     def encode_frames(self, frames: torch.Tensor) -> torch.Tensor:
@@ -375,7 +386,8 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
             log.info("dit step %d %s", state.step,
                      " ".join(f"{k} {'-' if v is None else f'{v:.4f}'}" for k, v in means.items()))
             window.clear()
-        done = stop_requested(state_dir) or elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+        done = (stop_requested(state_dir) or elapsed >= 60 * cfg.minutes
+                or (cfg.max_steps is not None and state.step >= cfg.max_steps))
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
         if done:

@@ -90,7 +90,7 @@ job() {
         fi
         "$PY" -m tools.train.dit --vae-root "$vae_root" --encoder-root "$ENCODER_ROOT" --state "$W/state/base" \
             --minutes "${BASE_MIN:-9}" --accum "${BASE_ACCUM:-8}" --lr "${BASE_LR:-6e-4}" --warmup 100 \
-            --workers "${BASE_WORKERS:-8}" --teacher-docs "${TEACHER_DOCS:-0.5}" --openings "${OPENINGS:-0.5}" \
+            --workers "${BASE_WORKERS:-8}" --teacher-docs "${TEACHER_DOCS:-0.25}" --openings "${OPENINGS:-0.75}" \
             --distinct "${BASE_DISTINCT:-4096}" \
             --save-every 100 --export "$W/export/base_stage2" > "$W/logs/base.log" 2>&1 || { decoders; return 1; }
     fi
@@ -98,7 +98,7 @@ job() {
     "$PY" -m tools.train.student --base "$W/export/base_stage2/FL2VA/transformer" --vae-root "$vae_root" \
         --encoder-root "$ENCODER_ROOT" --state "$W/state/joint" --minutes "${JOINT_MIN:-8.5}" \
         --sessions "${SESSIONS:-8}" --lr "${LR:-1e-3}" --workers "${JOINT_WORKERS:-10}" --log-every 5 \
-        --save-every 25 --train-base --openings "${JOINT_OPENINGS:-0.5}" --export "$W/export/lora" \
+        --save-every 25 --train-base --openings "${JOINT_OPENINGS:-0.75}" --export "$W/export/lora" \
         --export-base "$W/export/base" > "$W/logs/joint.log" 2>&1 || { decoders; return 1; }
     decoders || return 1
     stage "done"

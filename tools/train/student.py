@@ -449,7 +449,8 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                      f" base {record['base']}" if base_window else "")
             window.clear()
             base_window.clear()
-        done = stop_requested(state_dir) or elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+        done = (stop_requested(state_dir) or elapsed >= 60 * cfg.minutes
+                or (cfg.max_steps is not None and state.step >= cfg.max_steps))
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
         if done:

@@ -405,7 +405,8 @@ def train(cfg: RunConfig, state_dir: Path, device: str | torch.device) -> TrainS
             log.info("%s step %d loss %.5f rec %.5f kl %.3f (%.1f samples/s)", cfg.kind, state.step, mean[0],
                      mean[1], mean[2], record["samples_per_s"])
             window.clear()
-        done = stop_requested(state_dir) or elapsed >= 60 * cfg.minutes or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+        done = (stop_requested(state_dir) or elapsed >= 60 * cfg.minutes
+                or (cfg.max_steps is not None and state.step >= cfg.max_steps))
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
         if done:
