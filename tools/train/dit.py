@@ -56,7 +56,7 @@ from services.encoder.model import TextEncoder
 from services.vae.checkpoint import load_audio_vae, load_video_vae
 from tools.train import world
 from tools.train.documents import Example, TeacherExample, document, document_losses, tail_latents, window_means
-from tools.train.train_state import EMA, TrainState, stop_requested
+from tools.train.train_state import EMA, TrainState, run_over
 from tools.train.vae import HOP, TRAIN_SEED, IndexRange, encode_video, to_model_space
 
 T = TypeVar("T")
@@ -154,6 +154,13 @@ def _render_teacher(seed: int, scene: world.Scene, start: int, request_index: in
     return TeacherClip(seed, switched.caption, request_index, torch.from_numpy(wave))
 
 
+def _opening_grammar(seed: int, openings: float) -> tuple[str, str, str, str] | None:
+    """The grammar of world seed `seed`'s opening clip at this fraction of openings, None when its clip is not one.
+    Drawn from a stream of the seed's own, so its clip and teacher document do not depend on the fraction."""
+    rng = np.random.default_rng([seed, 1])
+    return world.sample_grammar(rng) if rng.random() < openings else None
+
+
 def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float = 0.0,
                    openings: float = 0.0) -> Clip | TeacherClip:
     """What world seed `seed` renders to (numpy only): its scene from a random start frame in the first 10 s, as a
@@ -164,9 +171,9 @@ def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float 
     scene, start, request, switched = _draw(seed, teacher_docs)
     if request is not None:
         return _render_teacher(seed, scene, start, request, switched)
-    rng = np.random.default_rng([seed, 1])
-    if rng.random() < openings:
-        return replace(_render_clip(seed, world.opening_scene(*world.sample_grammar(rng)), 0, frames), opening=True)
+    grammar = _opening_grammar(seed, openings)
+    if grammar is not None:
+        return replace(_render_clip(seed, world.opening_scene(*grammar), 0, frames), opening=True)
     return _render_clip(seed, scene, start, frames)
 
 
@@ -183,8 +190,7 @@ class Seen:
 def seen(seed: int, teacher_docs: float, openings: float) -> Seen:
     """What `render_example` would render for `seed`, named without rendering it."""
     request = teacher_request(seed, teacher_docs)
-    opening = request is None and bool(np.random.default_rng([seed, 1]).random() < openings)
-    return Seen(seed, request, opening)
+    return Seen(seed, request, request is None and _opening_grammar(seed, openings) is not None)
 
 
 def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
@@ -281,16 +287,17 @@ class Conditioner:
         if isinstance(clip, TeacherClip):
             return self.cached((clip.seed, clip.request_index, False), lambda: TeacherExample(
                 clip.caption, self.encode_caption(clip.caption), clip.request_index, self.encode_wave(clip.wave)))
-        return self.cached((clip.seed, None, clip.opening), lambda: self._opening(clip) if clip.opening else Example(
-            clip.caption, self.encode_caption(clip.caption), self.encode_frames(clip.frames),
-            self.encode_wave(clip.wave)))
+        make = self._opening if clip.opening else self._encoded
+        return self.cached((clip.seed, None, clip.opening), lambda: make(clip))
+
+    def _encoded(self, clip: Clip) -> Example:
+        return Example(clip.caption, self.encode_caption(clip.caption), self.encode_frames(clip.frames),
+                       self.encode_wave(clip.wave), clip.opening)
 
     def _opening(self, clip: Clip) -> Example:
         """The example of an opening clip: the one of its caption, encoded the first time the caption opens."""
         if clip.caption not in self._openings:
-            self._openings[clip.caption] = Example(clip.caption, self.encode_caption(clip.caption),
-                                                   self.encode_frames(clip.frames), self.encode_wave(clip.wave),
-                                                   opening=True)
+            self._openings[clip.caption] = self._encoded(clip)
         return self._openings[clip.caption]
 
     @torch.no_grad()
@@ -386,8 +393,7 @@ def train(cfg: DiTRunConfig, conditioner: Conditioner, state_dir: Path) -> Train
             log.info("dit step %d %s", state.step,
                      " ".join(f"{k} {'-' if v is None else f'{v:.4f}'}" for k, v in means.items()))
             window.clear()
-        done = (stop_requested(state_dir) or elapsed >= 60 * cfg.minutes
-                or (cfg.max_steps is not None and state.step >= cfg.max_steps))
+        done = run_over(state_dir, elapsed, cfg.minutes, state.step, cfg.max_steps)
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
         if done:

@@ -51,7 +51,7 @@ from services.dit.stream.timeline import Timeline
 from tools.train import world
 from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner
 from tools.train.documents import document, document_losses, window_means
-from tools.train.train_state import EMA, TrainState, stop_requested
+from tools.train.train_state import EMA, TrainState, run_over
 from tools.train.vae import HOP, IndexRange
 
 log = logging.getLogger("tools.train.student")
@@ -449,8 +449,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                      f" base {record['base']}" if base_window else "")
             window.clear()
             base_window.clear()
-        done = (stop_requested(state_dir) or elapsed >= 60 * cfg.minutes
-                or (cfg.max_steps is not None and state.step >= cfg.max_steps))
+        done = run_over(state_dir, elapsed, cfg.minutes, state.step, cfg.max_steps)
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
         if done:

@@ -35,6 +35,13 @@ def stop_requested(directory: Path) -> bool:
     return True
 
 
+def run_over(directory: Path, elapsed: float, minutes: float, step: int, max_steps: int | None) -> bool:
+    """Whether a run whose state lives in `directory` ends after this step: its `minutes` of training in this
+    process are up, it reached `max_steps`, or its caller asked it to stop (`stop_requested`)."""
+    return (stop_requested(directory) or elapsed >= 60 * minutes
+            or (max_steps is not None and step >= max_steps))
+
+
 class EMA:
     """Exponential moving average of a model's floating-point parameters and buffers (what gets exported)."""
 

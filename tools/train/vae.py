@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from services.vae.checkpoint import AUDIO_SUBDIR, VIDEO_SUBDIR
 from services.vae.model import _IMAGENET_MEAN, _IMAGENET_STD, AUDIO_PRESETS, VIDEO_PRESETS
 from tools.train import world
-from tools.train.train_state import EMA, TrainState, stop_requested
+from tools.train.train_state import EMA, TrainState, run_over
 
 log = logging.getLogger("tools.train.vae")
 
@@ -405,8 +405,7 @@ def train(cfg: RunConfig, state_dir: Path, device: str | torch.device) -> TrainS
             log.info("%s step %d loss %.5f rec %.5f kl %.3f (%.1f samples/s)", cfg.kind, state.step, mean[0],
                      mean[1], mean[2], record["samples_per_s"])
             window.clear()
-        done = (stop_requested(state_dir) or elapsed >= 60 * cfg.minutes
-                or (cfg.max_steps is not None and state.step >= cfg.max_steps))
+        done = run_over(state_dir, elapsed, cfg.minutes, state.step, cfg.max_steps)
         if done or state.step % cfg.save_every == 0:
             state.save(state_dir, dict(vars(cfg)))
         if done:
