@@ -148,9 +148,10 @@ def sound_of(audio: np.ndarray, rate: int) -> tuple[float, float]:
 
 
 def sample(tree: pathlib.Path, prompt: str, updates: list[tuple[int, str]], requests: int, seed: int,
-           service_log: str) -> Stream:
+           service_log: str, hold_s: float | None = None) -> Stream:
     """Bring the system up on `tree`, stream `requests` requests from `prompt`, each update (k, text) sent so that it
-    applies from request k, and decode what came back."""
+    applies from request k, and decode what came back. `hold_s`: the session holds for a prompt at each request
+    boundary for that long (`hold_for_prompt`, `hold_max_seconds`), then goes on with the prompt it has."""
     with tempfile.TemporaryDirectory(prefix="vitascope-sample-") as tmp:
         profile, port = write_profile(ROOT / "configs" / "tiny_cpu.yaml", pathlib.Path(tmp), model_dir=tree)
         supervisor = bring_up_logged(profile, service_log)
@@ -159,7 +160,8 @@ def sample(tree: pathlib.Path, prompt: str, updates: list[tuple[int, str]], requ
             sent = tuple(PromptUpdate(at_s=request_start_s(k - 1) + 0.01, prompt=text) for k, text in updates)
             result = asyncio.run(stream(ClientOptions(
                 url=f"ws://127.0.0.1:{port}/v1/realtime/video", prompt=prompt,
-                seconds=media_seconds_of(requests) - 0.01, updates=sent, seed=seed, width=320, height=192)))
+                seconds=media_seconds_of(requests) - 0.01, updates=sent, seed=seed, width=320, height=192,
+                hold=hold_s is not None, hold_max_seconds=hold_s)))
         finally:
             supervisor.stop_all()
     if result.errors:
