@@ -110,6 +110,7 @@ def test_a_fresh_job_trains_every_stage_in_order_and_returns_every_result(tmp_pa
     # the frozen encoder's outputs are kept where the data recurs: the video decoder's windows, the base's seeds
     assert by_step["vae:video:dec"]["opts"]["--distinct"] == "8192" and dit["--distinct"] == "4096"
     assert "--distinct" not in by_step["vae:audio:dec"]["opts"] and "--distinct" not in student
+    assert student["--switch"] == "0.35"
     assert dit["--vae-root"].endswith("/vae_root") and student["--vae-root"].endswith("/vae_root")
     assert student["--base"].endswith("export/base_stage2/FL2VA/transformer")
     assert "job exit 0" in log
@@ -177,4 +178,17 @@ def test_a_collect_asked_to_stop_the_base_ends_it_and_the_job_goes_on_to_the_stu
     assert "asked base to stop" in log
     assert not (tmp_path / "stopped" / "state" / "base" / "stop").exists()  # taken: a resumed base trains on
     with tarfile.open(out / "dit.tar") as tar:
+        assert {n.split("/")[0] for n in tar.getnames()} == {"base_stage2", "base", "lora"}
+
+
+def test_a_call_carrying_the_base_export_and_the_students_state_trains_the_student_alone_at_the_asked_switch(tmp_path):
+    _, first, _ = _run(tmp_path, "first")
+    (first / "joint.state.pt").write_bytes(b"student state at step 180")
+    calls, out, log = _run(tmp_path, "second", FROM=str(first), SWITCH="0.7")
+    assert _steps(calls) == ["student"]  # the VAEs and the base are done: only the student trains on
+    assert calls[0]["handed"] == _sha(first / "joint.state.pt")
+    assert calls[0]["opts"]["--switch"] == "0.7"
+    assert calls[0]["opts"]["--base"].endswith("export/base_stage2/FL2VA/transformer")
+    assert "job exit 0" in log
+    with tarfile.open(out / "dit.tar") as tar:  # the student's exports are made anew from its state
         assert {n.split("/")[0] for n in tar.getnames()} == {"base_stage2", "base", "lora"}
