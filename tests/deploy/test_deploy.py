@@ -111,7 +111,7 @@ def test_tiny_cpu_compose_config_passes():
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
     assert "deploy" not in services["dit"]  # no GPU reservation: runs anywhere
-    for name in ("checkpoint", *HEALTH):  # a CPU stage image, with no FlashAttention 4, from the file alone
+    for name in HEALTH:  # a CPU stage image, with no FlashAttention 4, from the file alone
         args = services[name]["build"]["args"]
         assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu" and args["FLASH_ATTN_4"] == "0"
 
@@ -121,20 +121,29 @@ def test_tiny_cpu_compose_runs_exactly_what_services_up_runs():
     from services.common.config import load_profile
 
     profile_path = "configs/tiny_cpu.yaml"
-    compose = yaml.safe_load((DEPLOY / "compose.tiny-cpu.yaml").read_text())["services"]
+    document = yaml.safe_load((DEPLOY / "compose.tiny-cpu.yaml").read_text())
+    compose = document["services"]
     expected = up.service_commands(profile_path)
     assert {name: compose[name]["command"] for name in expected} == expected
-    assert set(compose) == {*expected, "checkpoint"}
-    # The checkpoint step writes what services.up writes, and only while the COMPLETE marker is missing.
+    # services.up writes a checkpoint only where the profile asks (write_if_missing); tiny_cpu serves the trained
+    # tree shipped in the repository, so compose has no step of its own either: exactly services.up's services.
     profile = load_profile(ROOT / profile_path)
-    shell = compose["checkpoint"]["command"][-1]
-    marker, _, command = shell.partition(" || exec ")
-    # load_profile resolves the model dir against the repository root, which is WORKDIR /app in the image
-    model_dir = pathlib.Path(profile.model.dir).relative_to(ROOT).as_posix()
-    assert marker == f"test -f {model_dir}/COMPLETE"
-    assert command.split() == [model_dir if part == profile.model.dir else part
-                               for part in up.checkpoint_command(profile)]
-    assert compose["checkpoint"]["volumes"] == [f"tiny-checkpoint:/app/{pathlib.Path(model_dir).parent}"]
+    assert not profile.model.write_if_missing, "a profile that writes its checkpoint needs a checkpoint step here"
+    assert set(compose) == set(expected)
+    assert not any("services.checkpoints" in " ".join(svc.get("command", [])) for svc in compose.values())
+    # The stages read the profile's model dir from the image: load_profile resolves it against the repository
+    # root, which is WORKDIR /app there, and no volume may cover (and hide) it.
+    model_dir = pathlib.Path(profile.model.dir).relative_to(ROOT)
+    assert (ROOT / model_dir / "COMPLETE").is_file() and (ROOT / model_dir / "MANIFEST.json").is_file()
+    in_image = pathlib.PurePosixPath("/app") / model_dir.as_posix()
+    for name, svc in compose.items():
+        for mount in svc.get("volumes", []):
+            target = pathlib.PurePosixPath(mount["target"] if isinstance(mount, dict) else mount.split(":")[1])
+            assert not (in_image == target or target in in_image.parents), f"{name} mounts {target} over the model"
+    assert "volumes" not in document
+    assert compose["encoder"]["build"]["target"] == "stage"
+    _, source, _ = _stage_copy_of(model_dir)
+    assert _context_excludes(source) is False
     # Same addresses: the host network and the profile's endpoints, probed with the same health names.
     for name, (health, _) in HEALTH.items():
         assert compose[name]["network_mode"] == "host"
@@ -171,7 +180,7 @@ def _lower_bound(requirement: str) -> tuple[int, ...]:
 def test_dockerfile_targets_pins_and_user():
     text = (DEPLOY / "Dockerfile").read_text()
     targets = re.findall(r"^FROM \S+ AS (\S+)$", text, flags=re.M)
-    assert targets == ["base", "gateway", "stage"]
+    assert targets == ["base", "gateway", "model-files", "stage"]
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11\.\d+-slim", text, flags=re.M)
     assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, flags=re.M)
     assert re.search(r'^ARG FLASH_ATTN_4_REQUIREMENT="flash-attn-4==[\w.]+"$', text, flags=re.M)
@@ -203,10 +212,117 @@ def test_dockerfile_targets_pins_and_user():
     assert re.search(r"TORCHINDUCTOR_CACHE_DIR=/cache/\S+", stage) and re.search(r"TRITON_CACHE_DIR=/cache/\S+", stage)
     assert "chown -R vitascope:vitascope /app /cache" in text
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
-    for source in re.findall(r"^COPY (?:--chown=\S+ )?(\S+) ", text, flags=re.M):
+    for source in re.findall(r"^COPY (?:--chown=\S+ )?(?!--from=)(\S+) ", text, flags=re.M):  # from the context
         assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
         if source.startswith("deploy/"):  # the context leaves deploy/ out, except what the build copies
             assert f"!{source.rstrip('/')}" in ignore, f"Dockerfile.dockerignore leaves out {source}"
+
+
+def _targets() -> dict[str, str]:
+    """deploy/Dockerfile's build targets: name -> the instructions of that target."""
+    parts = re.split(r"^FROM \S+ AS (\S+)$", (DEPLOY / "Dockerfile").read_text(), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def _copies(target: str) -> list[tuple[str, str, str]]:
+    """The COPY instructions of a target, in order: (flags, source in the context, destination)."""
+    return re.findall(r"^COPY((?: --\S+)*) (\S+) (\S+)$", _targets()[target], flags=re.M)
+
+
+def _stage_copy_of(model_dir: pathlib.Path) -> tuple[int, str, str]:
+    """The `stage` COPY that puts the repository's `model_dir` at the same path under WORKDIR /app, directly or
+    through another target (`COPY --from=`): (its index among the stage's COPYs, the context source it comes from,
+    the target that copied it from the context)."""
+    assert re.search(r"^WORKDIR /app$", _targets()["base"], flags=re.M)
+    inside = pathlib.PurePosixPath(model_dir.as_posix())
+    wanted = pathlib.PurePosixPath("/app") / inside
+
+    def place(dest: str, workdir: str) -> pathlib.PurePosixPath:
+        return pathlib.PurePosixPath(workdir) / dest.rstrip("/")  # absolute destinations stay absolute
+
+    for index, (flags, source, dest) in enumerate(_copies("stage")):
+        origin = re.search(r"--from=(\S+)", flags)
+        # where the source's files come from: the context, or the context via a COPY in the named target
+        candidates = [(source, "stage")] if origin is None else [
+            (src, origin.group(1)) for fl, src, dst in _copies(origin.group(1)) if "--from" not in fl
+            if place(dst, "/") == pathlib.PurePosixPath(source.rstrip("/"))]
+        for context_source, copied_in in candidates:
+            source_path = pathlib.PurePosixPath(context_source.rstrip("/"))
+            if (inside == source_path or source_path in inside.parents) and (
+                    place(dest, "/app") / inside.relative_to(source_path) == wanted):
+                return index, context_source, copied_in
+    raise AssertionError(f"the stage target copies no {model_dir} to {wanted}")
+
+
+def _ignore_pattern(pattern: str) -> re.Pattern:
+    """A .dockerignore pattern as a regular expression over context-relative paths (Go filepath.Match plus `**`)."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out)
+
+
+def _context_excludes(path: str) -> bool:
+    """Whether deploy/Dockerfile.dockerignore leaves `path` (relative to the repository root) out of the build
+    context: the last pattern matching it or a directory above it decides, a `!` pattern putting it back."""
+    rel = pathlib.PurePosixPath(path.rstrip("/"))
+    candidates = [rel.as_posix(), *(p.as_posix() for p in rel.parents if p.as_posix() != ".")]
+    excluded = False
+    for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        regex = _ignore_pattern(line.lstrip("!").strip().strip("/"))
+        if any(regex.fullmatch(c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_context_matcher_reads_the_dockerignore_as_the_build_does():
+    assert _context_excludes("tests/deploy/test_deploy.py") and _context_excludes("deploy/compose.yaml")
+    assert _context_excludes("services/__pycache__/up.cpython-311.pyc") and _context_excludes("checkpoints/tiny")
+    assert not _context_excludes("deploy/requirements/base.txt") and not _context_excludes("deploy/image_check.py")
+    assert not _context_excludes("services/up.py") and not _context_excludes("configs/tiny_cpu.yaml")
+
+
+def test_stage_image_ships_the_tiny_profiles_model_before_the_code():
+    from services.common.config import load_profile
+
+    profile = load_profile(ROOT / "configs/tiny_cpu.yaml")
+    assert not profile.model.write_if_missing  # nothing writes it at start-up: the image must hold it
+    model_dir = pathlib.Path(profile.model.dir).relative_to(ROOT)
+    index, source, copied_in = _stage_copy_of(model_dir)
+    copies = _copies("stage")
+    flags, from_source, _ = copies[index]
+    assert "--chown" not in flags, "the model is root-owned in the image: read-only for the runtime user"
+    code = min(i for i, (_, src, _) in enumerate(copies) if src.rstrip("/") in ("vitascope", "services", "configs"))
+    assert index < code, "the weights' layer comes before the code's, so a code change does not rebuild it"
+    stage = _targets()["stage"]
+    assert stage.index(f"COPY{flags} {from_source} ") > stage.rindex("pip check")  # and after every install
+    if copied_in != "stage":  # prepared in a target of its own: whatever modes the checkout has, readable by all
+        prepared = _targets()[copied_in]
+        assert re.search(r"^RUN chmod -R a\+rX,go-w \S+$", prepared, flags=re.M), prepared
+        assert "USER" not in prepared and "--chown" not in "".join(f for f, _, _ in _copies(copied_in))
+    # Every file of the shipped tree reaches the build context (the manifest lists them; COMPLETE is written last).
+    manifest = json.loads((ROOT / model_dir / "MANIFEST.json").read_text())
+    files = [*manifest["files"], "MANIFEST.json", "COMPLETE"]
+    assert len(files) > 20 and all((ROOT / model_dir / f).is_file() for f in files)
+    excluded = [f for f in files if _context_excludes((model_dir / f).as_posix())]
+    assert not excluded, f"Dockerfile.dockerignore leaves out {excluded[:5]}"
+    # The gateway needs no weights, and the GPU profiles keep reading theirs from the /models mount.
+    assert not any(src.startswith("models") for _, src, _ in _copies("gateway"))
+    for name in ("usp2_fp8", "usp4_bf16"):
+        assert load_profile(ROOT / f"configs/{name}.yaml").model.dir == "/models"
 
 
 def test_every_install_keeps_the_protobuf_the_stubs_were_generated_for():

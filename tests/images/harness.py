@@ -216,7 +216,7 @@ def podman_service_in_namespace(podman: Podman) -> Iterator[Namespace]:
 
 @dataclasses.dataclass
 class Compose:
-    """docker-compose on podman's socket for one project (its own name, images and volume)."""
+    """docker-compose on podman's socket for one project (its own name and images)."""
 
     podman: Podman
     namespace: Namespace

@@ -4,9 +4,11 @@
   requirement of the Dockerfile, constraints.txt) resolves for Linux x86-64 / CPython 3.11 with no conflict and a
   protobuf no older than the gencode of vitascope/*_pb2.py (a pip dry-run; that image is too large to build here).
 - The gateway and the CPU stage images build with podman, `compose.tiny-cpu.yaml` starts on them (docker-compose
-  on podman's socket, inside a network namespace of its own), every health check passes, the project's client
-  streams a session whose frames and audio decode, a second `up` reuses the checkpoint, and `down -v` leaves no
-  container, volume or network behind.
+  on podman's socket, inside a network namespace of its own) with no checkpoint step and no volume, every health
+  check passes, each stage container holds the tiny profile's model dir as the image ships it (models/tiny under
+  /app, every file as its MANIFEST.json says, nothing mounted over it, read-only for the runtime user), the
+  project's client streams a session from it whose frames and audio decode, a second `up` comes up healthy again,
+  and `down -v` leaves no container, volume or network behind.
 
 Where no registry serves python:3.11-slim the base image is built from Debian's packages, and the torch wheel this
 machine's pip resolves to (a CPU build) is served to the build from 127.0.0.1. The tier skips where podman cannot
@@ -15,7 +17,6 @@ end of the run (tests/images/conftest.py).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -218,18 +219,56 @@ def _up(podman, compose) -> None:
         _wait_healthy(podman, compose, STAGES, deadline_s=300)
 
 
+MANIFEST_CHECK = """
+import hashlib, json, os, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+manifest = json.loads((root / "MANIFEST.json").read_text())
+bad = [name for name, entry in manifest["files"].items()
+       if hashlib.sha256((root / name).read_bytes()).hexdigest() != entry["sha256"]]
+writable = [str(p) for p in (root, *root.rglob("*")) if os.access(p, os.W_OK)]
+print(json.dumps({"files": len(manifest["files"]), "bytes": sum(e["bytes"] for e in manifest["files"].values()),
+                  "complete": (root / "COMPLETE").is_file(), "bad": bad, "writable": writable[:5],
+                  "written": os.path.exists("/app/checkpoints")}))
+"""
+"""Run in a stage container as its runtime user: the shipped tree against its manifest, whether any of it is
+writable (the stage image copies it root-owned), and whether a checkpoint tree was written beside it."""
+
+
+def _tiny_model_dir() -> tuple[pathlib.Path, str]:
+    """The tiny profile's `model.dir` in the repository, and where the stages look for it: under WORKDIR /app."""
+    from services.common.config import load_profile
+
+    profile = load_profile(harness.ROOT / "configs" / "tiny_cpu.yaml")
+    assert not profile.model.write_if_missing, "the tiny compose file has no checkpoint step to write a tree"
+    repo = pathlib.Path(profile.model.dir)
+    return repo, f"/app/{repo.relative_to(harness.ROOT).as_posix()}"
+
+
+def _check_shipped_model(podman, compose, ids: dict[str, str]) -> None:
+    """No checkpoint step or volume; each stage serves the model dir its image holds, intact and read-only."""
+    assert set(ids) == {*STAGES, "gateway"}, f"compose ran {sorted(ids)}"
+    assert compose.leftovers()["volumes"] == [], "the tiny compose file creates no volume"
+    repo_dir, model_dir = _tiny_model_dir()
+    shipped = json.loads((repo_dir / "MANIFEST.json").read_text())
+    for name in STAGES:
+        mounts = json.loads(podman("inspect", "--format", "{{json .Mounts}}", ids[name]).stdout or "[]") or []
+        covering = [m["Destination"] for m in mounts
+                    if model_dir == m["Destination"] or model_dir.startswith(m["Destination"].rstrip("/") + "/")]
+        assert not covering, f"{name}: {covering} mounted over the shipped model"
+        result = podman("exec", ids[name], "python", "-c", MANIFEST_CHECK, model_dir, timeout=120)
+        found = json.loads(result.stdout.strip().splitlines()[-1])
+        assert found == {"files": len(shipped["files"]), "bytes": sum(e["bytes"] for e in shipped["files"].values()),
+                         "complete": True, "bad": [], "writable": [], "written": False}, f"{name}: {found}"
+    REPORT["tiny model in the stage image"] = f"{model_dir}, {found['files']} files, {found['bytes'] / 1e6:.1f} MB"
+
+
 def _first_and_second_up(podman, compose, namespace, tmp_path) -> None:
     start = time.monotonic()
     _up(podman, compose)
     up_s = _wait_healthy(podman, compose, (*STAGES, "gateway"), deadline_s=600) + time.monotonic() - start
     REPORT["first up until every health check passes"] = f"{up_s:.0f} s"
-    ids = compose.containers()
-    assert podman("inspect", "--format", "{{.State.ExitCode}}", ids["checkpoint"]).stdout.strip() == "0"
-    volume = f"{compose.project}_tiny-checkpoint"
-    mountpoint = pathlib.Path(podman("volume", "inspect", "--format", "{{.Mountpoint}}", volume).stdout.strip())
-    marker = mountpoint / "tiny" / "COMPLETE"
-    assert marker.exists(), f"the checkpoint step wrote no {marker}"
-    written = marker.stat().st_mtime_ns
+    first = compose.containers()
+    _check_shipped_model(podman, compose, first)
 
     out = tmp_path / "session.mp4"
     start = time.monotonic()
@@ -244,14 +283,11 @@ def _first_and_second_up(podman, compose, namespace, tmp_path) -> None:
     assert (decoded["width"], decoded["height"]) == (320, 192)  # the tiny profile's default canvas
 
     compose("down", "--timeout", "20", timeout=300)
+    assert compose.containers() == {}, "down left containers behind"
     start = time.monotonic()
     _up(podman, compose)
     again_s = _wait_healthy(podman, compose, (*STAGES, "gateway"), deadline_s=600) + time.monotonic() - start
-    REPORT["second up (checkpoint reused) until healthy"] = f"{again_s:.0f} s"
-    ids = compose.containers()
-    assert podman("inspect", "--format", "{{.State.ExitCode}}", ids["checkpoint"]).stdout.strip() == "0"
-    logs = podman("logs", ids["checkpoint"])
-    assert marker.stat().st_mtime_ns == written, "the second up wrote the checkpoint again"
-    assert not (logs.stdout + logs.stderr).strip(), f"the checkpoint step ran again: {logs.stderr[-1000:]}"
-    with contextlib.suppress(Exception):
-        REPORT["tiny checkpoint volume"] = f"{sum(p.stat().st_size for p in mountpoint.rglob('*') if p.is_file()) / 1e6:.0f} MB"
+    REPORT["second up until healthy"] = f"{again_s:.0f} s"
+    second = compose.containers()
+    assert set(second) == {*STAGES, "gateway"} and not set(second.values()) & set(first.values())  # new containers
+    assert compose.leftovers()["volumes"] == []

@@ -65,3 +65,15 @@ def test_an_unfinished_tree_does_not_verify(parts, tmp_path):
     tree = _assemble(parts, tmp_path / "t")
     (tree / "COMPLETE").unlink()
     assert ship.verify(tree) == [f"{tree / 'COMPLETE'} is missing: the tree was never finished"]
+
+
+def test_an_assembled_tree_is_readable_by_every_user_whatever_modes_its_parts_had(parts, tmp_path):
+    shard = next((parts / "MiniMax-H3" / "FL2VA" / "transformer").glob("*.safetensors"))
+    shard.chmod(0o600)  # as a part written through a temporary file comes
+    try:
+        tree = _assemble(parts, tmp_path / "models" / "tiny")
+    finally:
+        shard.chmod(0o644)
+    modes = {p.relative_to(tree).as_posix(): p.stat().st_mode & 0o777 for p in tree.rglob("*")}
+    assert {m for name, m in modes.items() if (tree / name).is_file()} == {0o644}
+    assert {m for name, m in modes.items() if (tree / name).is_dir()} == {0o755}

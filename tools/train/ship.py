@@ -94,6 +94,8 @@ def assemble(out: Path, encoder_root: Path, vae_root: Path, base: Path, lora: Pa
     manifest = {"preset": PRESET, "notes": notes, "files": files_of(staging)}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     (staging / COMPLETE).write_text(f"preset={PRESET} trained\n")
+    for path in staging.rglob("*"):  # a tree for every reader (the parts may come as 0600 temporary files)
+        path.chmod(0o755 if path.is_dir() else 0o644)
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
