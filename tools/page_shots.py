@@ -17,7 +17,7 @@ import pathlib
 import sys
 import tempfile
 
-from tools.bench_tiny import bring_up_logged, write_profile
+from tools.bench_tiny import FPS, bring_up_logged, write_profile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("VITASCOPE_CHROMIUM", "/usr/bin/chromium")
@@ -48,7 +48,7 @@ async def shoot(url: str, prompt: str, update: str, out: pathlib.Path, played_s:
                     const cells = row.querySelectorAll('td');
                     if (Number(cells[0].innerText) < {chunk}) frames += Number(cells[2].innerText);
                 }}
-                return document.querySelector('#player').currentTime > frames / 24 + 3;
+                return document.querySelector('#player').currentTime > frames / {FPS} + 3;
             }}""", timeout=60000)
             await page.screenshot(path=str(out / "page_updated.png"))
             await page.click("#stop")

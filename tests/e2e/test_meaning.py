@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tools.train import world
-from tools.train.sample import Look, Stream, look, sample, shape_mask
+from tools.train.sample import Look, Stream, looks, sample, shape_mask
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
@@ -21,10 +21,6 @@ TREE = pathlib.Path(__file__).resolve().parents[2] / "models" / "tiny"
 RED = world.opening_scene("circle", "red", "dark blue", "still")
 BLUE = world.opening_scene("square", "blue", "dark blue", "still")
 HOLD_S = 1.0
-
-
-def looks_of(s: Stream) -> list[Look]:
-    return [look(s.frames, s.audio, s.sample_rate, sp) for sp in s.spans]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +75,7 @@ def assert_shows(lk: Look, scene: world.Scene) -> None:
 
 
 def test_a_red_circle_shows_red_where_the_circle_is_and_sounds_its_tone(updated):
-    request_0 = [lk for lk in looks_of(updated) if lk.request == 0]
+    request_0 = [lk for lk in looks(updated) if lk.request == 0]
     assert len(request_0) == 4, f"request 0 came in {len(request_0)} phases"
     for lk in request_0:
         assert_shows(lk, RED)
@@ -89,8 +85,7 @@ def test_a_red_circle_shows_red_where_the_circle_is_and_sounds_its_tone(updated)
 
 
 def test_an_update_changes_colour_and_pitch_at_the_acknowledged_request_and_not_before(updated):
-    looks = looks_of(updated)
-    for lk in looks:
+    for lk in looks(updated):
         assert_shows(lk, RED if lk.request == 0 else BLUE)
     first_of_request_1 = next(sp for sp in updated.spans if sp.request == 1)
     # request 1's frames after its first span (which opens on the decoder's last red frames) against the square:
@@ -113,11 +108,11 @@ def test_the_scene_goes_on_across_phase_and_request_boundaries(held):
     inside = max(step[sp.start:sp.stop - 1].max() for sp in held.spans)
     assert at_boundary <= inside, (  # measured: 3.9 at a boundary, 5.6 inside
         f"a jump of {at_boundary:.2f} at a phase boundary, at most {inside:.2f} inside a phase")
-    looks = looks_of(held)
-    assert len({lk.request for lk in looks}) >= 3
-    xs, ys = [lk.centroid[0] for lk in looks], [lk.centroid[1] for lk in looks]
+    seen = looks(held)
+    assert len({lk.request for lk in seen}) >= 3
+    xs, ys = [lk.centroid[0] for lk in seen], [lk.centroid[1] for lk in seen]
     assert max(xs) - min(xs) < 6 and max(ys) - min(ys) < 6, f"the shape wandered: x {xs}, y {ys}"  # measured: 2 px
-    for lk in looks:
+    for lk in seen:
         assert_shows(lk, RED)
 
 
@@ -126,6 +121,6 @@ def test_a_hold_that_ends_without_a_prompt_keeps_the_last_prompts_scene(held):
     assert len(later) >= 2
     for c in later:  # the session did hold: the first chunk of each later request waited at least the hold
         assert c.interval_s >= HOLD_S, f"request {c.request_index} came {c.interval_s:.2f} s after the last chunk"
-    for lk in looks_of(held):
+    for lk in looks(held):
         if lk.request > 0:
             assert_shows(lk, RED)

@@ -69,7 +69,7 @@ def test_an_unfinished_tree_does_not_verify(parts, tmp_path):
 
 def test_an_assembled_tree_is_readable_by_every_user_whatever_modes_its_parts_had(parts, tmp_path):
     shard = next((parts / "MiniMax-H3" / "FL2VA" / "transformer").glob("*.safetensors"))
-    shard.chmod(0o600)  # as a part written through a temporary file comes
+    shard.chmod(0o600)  # as a part made where the umask is 077 comes
     try:
         tree = _assemble(parts, tmp_path / "models" / "tiny")
     finally:

@@ -170,6 +170,11 @@ def sample(tree: pathlib.Path, prompt: str, updates: list[tuple[int, str]], requ
     return Stream(frames, audio, rate, spans_of(result), result)
 
 
+def looks(s: Stream) -> list[Look]:
+    """What every span of a stream shows and sounds like, in stream order."""
+    return [look(s.frames, s.audio, s.sample_rate, sp) for sp in s.spans]
+
+
 def contact_sheet(s: Stream, path: pathlib.Path, per_row: int = 6) -> None:
     """One row per request: `per_row` frames spread evenly over it, scaled to half size."""
     from PIL import Image
@@ -201,18 +206,17 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--update {u!r} must look like 1:\"a blue square ...\" (K >= 1)")
         updates.append((int(k), text.strip()))
     s = sample(args.tree, args.prompt, updates, args.requests, args.seed, args.service_log)
-    looks = [look(s.frames, s.audio, s.sample_rate, sp) for sp in s.spans]
     print(f"{len(s.frames)} frames, {s.audio.shape[1] / s.sample_rate:.2f} s of sound at {s.sample_rate} Hz; "
           f"updates applied at chunks {s.result.applied_at}")
     print("req phase  colour          background      centroid (x, y)   cover  pitch Hz  R-L dB")
-    for lk in looks:
+    for lk in looks(s):
         print(f"{lk.request:3d} {lk.phase:5d}  {str(lk.colour):15s} {str(lk.background):15s} "
               f"({lk.centroid[0]:6.1f}, {lk.centroid[1]:6.1f})  {lk.coverage:5.3f}  {lk.pitch_hz:8.1f}  "
               f"{lk.balance_db:6.2f}")
     if args.sheet:
         contact_sheet(s, args.sheet)
     if args.json:
-        args.json.write_text(json.dumps([asdict(lk) for lk in looks], indent=1))
+        args.json.write_text(json.dumps([asdict(lk) for lk in looks(s)], indent=1))
     return 0
 
 

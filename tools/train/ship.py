@@ -94,7 +94,7 @@ def assemble(out: Path, encoder_root: Path, vae_root: Path, base: Path, lora: Pa
     manifest = {"preset": PRESET, "notes": notes, "files": files_of(staging)}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     (staging / COMPLETE).write_text(f"preset={PRESET} trained\n")
-    for path in staging.rglob("*"):  # a tree for every reader (the parts may come as 0600 temporary files)
+    for path in staging.rglob("*"):  # a tree for every reader (parts made where the umask is 077 come as 0600)
         path.chmod(0o755 if path.is_dir() else 0o644)
     if out.exists():
         shutil.rmtree(out)
