@@ -113,6 +113,22 @@ def test_sessions_open_on_the_captions_own_scene():
         assert (scene.size, scene.x0, scene.y0, scene.phase) == (world.OPENING_SIZE, 160.0, 96.0, 0.0)
 
 
+@torch.no_grad()
+def test_each_requests_first_phase_weighs_first_phase_weight_in_the_student_loss(model):
+    batch = student.SessionBatch([_session(torch.Generator().manual_seed(3), (9, 7))], torch.device("cpu"))
+    plain = student.session_loss(model, batch, torch.Generator().manual_seed(0), self_rollout=False)
+    weighted = student.session_loss(model, batch, torch.Generator().manual_seed(0), self_rollout=False,
+                                    first_phase_weight=4.0)
+    phases = torch.tensor(plain.phases)
+    firsts = [0, len(plan_request(0).phases)]  # request 0's opening, request 1's first phase
+    assert len(phases) == 8 and weighted.phases == plain.phases and weighted.steps == plain.steps
+    torch.testing.assert_close(plain.total, phases.mean())
+    w = torch.ones(8)
+    w[firsts] = 4.0
+    torch.testing.assert_close(weighted.total, (w * phases).sum() / w.sum())
+    assert not torch.isclose(weighted.total, plain.total)
+
+
 @pytest.mark.slow
 def test_training_lowers_the_student_loss_and_exports_a_loadable_adapter(model, tmp_path):
     gen = torch.Generator().manual_seed(5)

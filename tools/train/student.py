@@ -266,20 +266,32 @@ def forward(model: DiT, batch: SessionBatch, ph: PhasePlan, video: torch.Tensor,
 @dataclass(frozen=True)
 class StudentLoss:
     total: torch.Tensor
+    """The weighted mean of every step's x0 MSE (`session_loss`)."""
     steps: tuple[float, ...]
-    """Mean x0 MSE of student step 0, 1, 2 over the session's phases."""
+    """Mean x0 MSE of student step 0, 1, 2 over the session's phases (unweighted)."""
+    phases: tuple[float, ...]
+    """Mean x0 MSE of each phase over its three steps, in session order (unweighted)."""
 
 
-def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, self_rollout: bool) -> StudentLoss:
-    """Every phase of the batch's sessions as the runtime runs them; the x0 loss of each student step."""
+def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, self_rollout: bool,
+                 first_phase_weight: float = 1.0) -> StudentLoss:
+    """Every phase of the batch's sessions as the runtime runs them; the x0 loss of each student step.
+
+    The first phase of each request weighs `first_phase_weight` against 1 for the others: there the prompt is new
+    (the opening, with no history; a switch, with the history still showing the old prompt's scene), so only the
+    text can say what to draw, while every later phase can copy most of its scene from the history."""
     commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
     audio_rows: list[int] = []
     per_step = [[] for _ in range(STEPS)]
+    per_phase = []
     total = 0.0
+    weights = 0.0
     n = 0
     for k in range(REQUESTS):
         texts = batch.refined_texts(model, k)  # once a request: every forward of it takes the same
-        for ph in plan_request(k).phases:
+        for i, ph in enumerate(plan_request(k).phases):
+            weight = first_phase_weight if i == 0 else 1.0
+            phase = 0.0
             x0_v, x0_a = batch.clean(ph)
             e_v = torch.randn(x0_v.shape, generator=generator).to(batch.device)
             e_a = torch.randn(x0_a.shape, generator=generator).to(batch.device)
@@ -293,16 +305,18 @@ def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, se
                 v, _ = forward(model, batch, ph, x, xa, sv, AUDIO_SIGMAS[s], history, commit=False, texts=texts)
                 x0_hat = x + sv * v
                 loss = F.mse_loss(x0_hat, x0_v)
-                total = total + loss
+                phase = phase + loss
                 per_step[s].append(loss.detach())
                 x = euler_step(x, v.detach(), sv, VIDEO_SIGMAS[s + 1]).detach()
+            total = total + weight * phase
+            weights += weight * STEPS
+            per_phase.append(phase.detach() / STEPS)
             _, att = forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True, texts=texts)
             commits.append((n, att.committed))
             audio_rows.append(x0_a.shape[1])
             n += 1
-    count = n * STEPS
     steps = torch.stack([torch.stack(p) for p in per_step]).mean(dim=1).tolist()  # one read, no sync a forward
-    return StudentLoss(total / count, tuple(steps))
+    return StudentLoss(total / weights, tuple(steps), tuple(torch.stack(per_phase).tolist()))
 
 
 def student_adapter(model: DiT, rank: int, seed: int) -> LoRAAdapter:
@@ -338,6 +352,8 @@ class StudentRunConfig:
     warmup: int = 50
     ema_decay: float = 0.995
     switch: float = 0.35
+    first_phase_weight: float = 1.0
+    """The weight of each request's first phase in the student's loss (`session_loss`)."""
     self_rollout: float = 0.5
     minutes: float = 8.0
     max_steps: int | None = None
@@ -418,7 +434,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
         optimizer.zero_grad(set_to_none=True)
         batch = SessionBatch([encode_session(cond, next(clips)) for _ in range(cfg.sessions)], device)
         rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
-        loss = session_loss(model, batch, generator, rollout)
+        loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight)
         loss.total.backward()
         if base_clips is not None:
             with adapter.suspended():  # the base's own objective, LoRA off
@@ -483,8 +499,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--state", required=True, type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
-    for name in ("rank", "sessions", "lr", "warmup", "switch", "self_rollout", "minutes", "max_steps", "save_every",
-                 "log_every", "distinct", "workers", "base_lr", "base_accum", "teacher_docs", "openings"):
+    for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_rollout", "minutes",
+                 "max_steps", "save_every", "log_every", "distinct", "workers", "base_lr", "base_accum", "teacher_docs",
+                 "openings"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
@@ -506,7 +523,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("training needs --vae-root and --encoder-root")
     torch.set_float32_matmul_precision("high")
     cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
-                           switch=args.switch, self_rollout=args.self_rollout, minutes=args.minutes,
+                           switch=args.switch, first_phase_weight=args.first_phase_weight,
+                           self_rollout=args.self_rollout, minutes=args.minutes,
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,
                            base_lr=args.base_lr, base_accum=args.base_accum, teacher_docs=args.teacher_docs,
