@@ -20,6 +20,8 @@ from services.common.media import VIDEO_FPS
 PRESETS = ("tiny", "full")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_KERNELS = ("default", "cudnn", "fa4")
+RENORMALISE_ANCHORS = ("session", "prompt")
+"""What `dit.renormalise_anchor` may name (services.dit.stream.runtime)."""
 PROMPT_BUCKETS = (128, 256, 384, 512)
 """Default prompt lengths (tokens) the CUDA graphs are captured for."""
 KiB = 1024
@@ -129,6 +131,10 @@ class DiTConfig:
     reuse_text_kv: bool = True
     """Run a request's text rows once per text timestep (its 3 student steps and the commit) and reuse their K/V
     in its later phases; False runs them in every forward (~5% more DiT FLOPs per steady request at 480x864)."""
+    renormalise_anchor: str = "session"
+    """Whose statistics each phase's clean video is renormalised to: "session" (the session's first phase, the
+    official runtime) or "prompt" (the first phase of the request where the active prompt began: a prompt update
+    can then change the colours the first prompt set; with "session" the tiny model keeps them, docs/decisions.md)."""
     hold_poll_seconds: float = 0.02
     """How often a held session looks for a newer prompt or a cancel."""
     max_phases_ahead: int = 2
@@ -207,6 +213,8 @@ class DiTConfig:
         for name in ("merge_lora", "reuse_text_kv", "teacher_staged"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"dit.{name}={getattr(self, name)!r}: must be true or false")
+        if self.renormalise_anchor not in RENORMALISE_ANCHORS:
+            raise ValueError(f"dit.renormalise_anchor={self.renormalise_anchor!r}: use one of {RENORMALISE_ANCHORS}")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"dit.attention={self.attention!r}: use one of {ATTENTION_KERNELS}")
         _check_ipc("dit", self.cuda_ipc, self.ipc_slot_mib, self.ipc_slots or 2, min_slots=2)

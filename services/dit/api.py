@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the contract's attribute types only
     from services.dit.stream.kv_cache import CleanAVKVCache
     from services.dit.stream.session import CancelToken
 
-from services.common.config import bucket_sizes_error
+from services.common.config import RENORMALISE_ANCHORS, bucket_sizes_error
 from services.common.errors import Cancelled, InternalError, InvalidInput
 
 CANVAS_SHORT_EDGES = {"full": (480, 768, 1088), "tiny": (64, 128, 192, 256)}
@@ -66,6 +66,10 @@ class RuntimeConfig:
     reuse_text_kv: bool = True
     """Compute a request's text rows once per text timestep and reuse their K/V in its later phases (they attend
     to the text only, so their K/V do not depend on the phase); False runs them in every forward."""
+    renormalise_anchor: str = "session"
+    """Whose per-feature statistics each phase's clean video rows are renormalised to: "session", the session's
+    first phase (the official runtime), or "prompt", the first phase of the request where the active prompt began,
+    so that a prompt update may change the colours and brightness the first prompt set."""
     text_buckets: tuple[int, ...] = ()
     """Prompt lengths a forward's text rows are padded up to (the smallest that holds the prompt), the padding
     masked out as keys: the forwards that run the text rows then take a few fixed shapes, which the block graphs
@@ -80,6 +84,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if not isinstance(self.reuse_text_kv, bool):
             raise ValueError(f"reuse_text_kv={self.reuse_text_kv!r} must be true or false")
+        if self.renormalise_anchor not in RENORMALISE_ANCHORS:
+            raise ValueError(f"renormalise_anchor={self.renormalise_anchor!r} must be one of {RENORMALISE_ANCHORS}")
         object.__setattr__(self, "text_buckets", tuple(self.text_buckets))
         if self.text_buckets:
             if why := bucket_sizes_error(self.text_buckets):

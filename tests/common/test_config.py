@@ -19,6 +19,8 @@ def test_shipped_profiles_load(name):
     assert profile.dit.attention == ("fa4" if gpu else "default")  # (merged before FP8 it blurs the video),
     assert profile.dit.merge_lora == (name == "usp4_bf16")
     assert profile.vae.compile_blocks == gpu  # and the video decoder's ViT blocks compiled
+    # the real model keeps the official anchor until it is checked on the real weights; the tiny one needs "prompt"
+    assert profile.dit.renormalise_anchor == ("session" if gpu else "prompt")
     assert isinstance(profile.gateway, GatewayConfig)  # the canvases typed, YAML lists read as tuples
     assert all(type(c) is tuple and len(c) == 2 for c in profile.gateway.allowed_canvases)
     assert profile.gateway.default_canvas == {"tiny_cpu": (320, 192)}.get(name, (864, 480))
@@ -40,6 +42,8 @@ def test_bad_values_are_named():
         DiTConfig(canvas_short_edges=(200,))
     with pytest.raises(ValueError, match="dit.attention='flash3': use one of \\('default', 'cudnn', 'fa4'\\)"):
         DiTConfig(attention="flash3")
+    with pytest.raises(ValueError, match="dit.renormalise_anchor='request': use one of \\('session', 'prompt'\\)"):
+        DiTConfig(renormalise_anchor="request")
     with pytest.raises(ValueError, match="dit.merge_lora='yes': must be true or false"):
         DiTConfig(merge_lora="yes")
     with pytest.raises(ValueError, match="dit.reuse_text_kv=1: must be true or false"):

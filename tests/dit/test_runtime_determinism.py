@@ -110,3 +110,54 @@ def test_every_request_draws_request_0s_noise_shapes_and_drops_its_transport_pre
         want_audio = torch.randn(2 * full.num_audio_latents, 32, generator=gen).view(2, full.num_audio_latents, 32)
         assert torch.equal(video, want_video), (seed, k)
         assert torch.equal(audio, want_audio[:, full.num_audio_latents - plan.num_audio_latents:]), (seed, k)
+
+
+def _stats(out):
+    rows = patchify(out.video)  # [Tv, 96]
+    return rows.mean(dim=0), rows.std(dim=0, unbiased=False)
+
+
+def _updated_run(adapter_dir, anchor: str, update: bool, phases: int = PHASES):
+    """Request 0 on prompt 1, request 1 on prompt 2 when `update` (sent before request 1 began)."""
+    rt = tiny_runtime(adapter_dir, renormalise_anchor=anchor)
+    session = rt.open_session(SessionConfig(seed=7, width=96, height=64), prompt(1, "first"))
+    outs = [session.next_phase()]
+    if update:
+        session.submit_prompt(prompt(2, "second"))
+    outs += [session.next_phase() for _ in range(phases - 1)]
+    session.close()
+    return outs
+
+
+@pytest.mark.slow
+def test_with_the_prompt_anchor_an_update_renormalises_to_the_first_phase_of_its_own_request(adapter_dir):
+    outs = _updated_run(adapter_dir, "prompt", update=True)
+    first_request, second_request = outs[:4], outs[4:]
+    assert second_request[0].meta.started_event_ids == ("second",)
+    for out in first_request[1:]:
+        torch.testing.assert_close(_stats(out), _stats(first_request[0]), atol=1e-4, rtol=0)
+    # the update's first phase is not pulled to the first prompt's statistics: it is the new anchor
+    assert not torch.allclose(_stats(second_request[0])[0], _stats(first_request[0])[0], atol=1e-2)
+    for out in second_request[1:]:
+        torch.testing.assert_close(_stats(out), _stats(second_request[0]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_with_the_session_anchor_an_update_stays_renormalised_to_the_sessions_first_phase(adapter_dir):
+    outs = _updated_run(adapter_dir, "session", update=True)
+    assert outs[4].meta.started_event_ids == ("second",)
+    for out in outs[1:]:
+        torch.testing.assert_close(_stats(out), _stats(outs[0]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_prompt_anchor_changes_no_byte_of_a_session_without_an_update(adapter_dir, first_run):
+    outs = _updated_run(adapter_dir, "prompt", update=False)
+    for got, want in zip(outs, first_run[0], strict=True):
+        assert torch.equal(got.video, want.video) and torch.equal(got.audio, want.audio)
+
+
+def test_an_unknown_renormalise_anchor_is_refused_with_its_name():
+    from services.dit.api import RuntimeConfig
+    with pytest.raises(ValueError, match="renormalise_anchor='request'"):
+        RuntimeConfig.for_preset("tiny", renormalise_anchor="request")

@@ -6,7 +6,9 @@ a discarded full video draw, video from (seed + k * 1,000,003) mod 2**63; a late
 prefix's part), start the audio teacher (with `dit.teacher_overlap` its graphs replay beside the previous phase's
 commit and the first student step, which needs no teacher state). Per phase: three LoRA-student forwards (Euler on
 video; the student's audio is overwritten by teacher states 3/6/9, each waited for when it is needed), renormalise
-the clean video rows to the first phase's per-feature statistics, hand the latents out, then one clean-commit
+the clean video rows to an anchor phase's per-feature statistics (the session's first phase, as the official
+runtime; with `renormalise_anchor` "prompt", the first phase of the request where the active prompt began), hand
+the latents out, then one clean-commit
 forward at sigma = 0 without heads that stages K/V of every layer and commits them as one transaction (rollback on
 any failure). The commit runs at the start of the next phase (before its students, which read that K/V): a phase's
 latents never wait for their own commit, and a failed commit is retried before the students. A request's text rows
@@ -303,7 +305,11 @@ class StreamingSession:
             if req.teacher.failed:  # a retry starts the request's teacher again, with the same prompt
                 self._boundary, self._request = req.prompt, None
             raise
-        video, mean, std = self._renormalise(xv, ph)
+        # the anchor of the clean rows' statistics: the session's first phase, or with `renormalise_anchor` "prompt"
+        # the first phase of the request where the active prompt began (None: this phase's own become the anchor)
+        new_prompt = first_phase and bool(req.prompt.started) and self.runtime.config.renormalise_anchor == "prompt"
+        anchor = None if new_prompt else self._ref_stats
+        video, mean, std = self._renormalise(xv, ph, anchor)
         self._sync()
         t1 = time.perf_counter()
         last = self.phase_index == len(req.plan.phases) - 1
@@ -322,7 +328,7 @@ class StreamingSession:
                           audio=audio.reshape(2, ph.num_audio_latents, -1).to(torch.float32, copy=True), meta=meta)
         # The phase is out: its state changes, all at once (nothing below can fail, so a retried phase finds none).
         self._pending_commit = (req, ph, patchify(video), audio)
-        if self._ref_stats is None:
+        if anchor is None:
             self._ref_stats = (mean, std)
         if last:
             self._tail = tail
@@ -376,15 +382,16 @@ class StreamingSession:
             xa = req.teacher.state(s)[:, a0:a1].reshape(-1, ch)  # the teacher's milestone replaces the student's
         return xv, xa
 
-    def _renormalise(self, rows: torch.Tensor, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Clean video `[F, C, h, w]` whose rows are affinely matched to the session's first phase's per-feature
-        (each of the rows' 96 columns) mean and population std; returns it and this phase's row statistics."""
+    def _renormalise(self, rows: torch.Tensor, ph: PhasePlan, anchor: tuple[torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Clean video `[F, C, h, w]` whose rows are affinely matched to the anchor's per-feature (each of the rows'
+        96 columns) mean and population std (unchanged without one); returns it and this phase's row statistics."""
         # rows: [Tv, 96]
         rows = rows.float()
         mean = rows.mean(dim=0)  # [96]
         std = rows.std(dim=0, unbiased=False).clamp_min(1e-6)
-        if self._ref_stats is not None:
-            ref_mean, ref_std = self._ref_stats
+        if anchor is not None:
+            ref_mean, ref_std = anchor
             rows = (rows - mean) / std * ref_std + ref_mean
         video = unpatchify(rows, ph.num_latents, self.canvas.latent_height, self.canvas.latent_width)
         return video, mean, std
