@@ -129,6 +129,59 @@ def test_each_requests_first_phase_weighs_first_phase_weight_in_the_student_loss
     assert not torch.isclose(weighted.total, plain.total)
 
 
+def _commits_and_outputs(model, batch, self_commit: bool, monkeypatch):
+    """Per phase: the video rows each commit forward took `[B, Tv, 96]`, and the student's last x0 prediction."""
+    commits, predictions = [], []
+    forward, mse = student.forward, student.F.mse_loss
+
+    def recording_forward(model, batch, ph, video, *args, commit, **kw):
+        if commit:
+            commits.append(video.clone())
+        return forward(model, batch, ph, video, *args, commit=commit, **kw)
+
+    def recording_mse(x0_hat, target):
+        predictions.append(x0_hat.detach().clone())
+        return mse(x0_hat, target)
+
+    monkeypatch.setattr(student, "forward", recording_forward)
+    monkeypatch.setattr(student.F, "mse_loss", recording_mse)
+    student.session_loss(model, batch, torch.Generator().manual_seed(0), self_rollout=True, self_commit=self_commit)
+    monkeypatch.undo()
+    return commits, predictions[student.STEPS - 1::student.STEPS]  # each phase's last step: its Euler end state
+
+
+def _stats(rows):
+    return rows.mean(dim=0), rows.std(dim=0, unbiased=False)
+
+
+@torch.no_grad()
+def test_a_self_committing_session_commits_its_own_output_renormalised_as_served(model, monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    switched = _session(gen, (9, 7))
+    kept = _session(gen, (8, 8))
+    kept = student.Session((kept.texts[0], kept.texts[0]), kept.video, kept.audio)  # one prompt for both requests
+    batch = student.SessionBatch([switched, kept], torch.device("cpu"))
+    phases = [ph for k in range(student.REQUESTS) for ph in plan_request(k).phases]
+
+    clean, _ = _commits_and_outputs(model, batch, self_commit=False, monkeypatch=monkeypatch)
+    for got, ph in zip(clean, phases, strict=True):
+        torch.testing.assert_close(got, batch.clean(ph)[0])
+
+    commits, outputs = _commits_and_outputs(model, batch, self_commit=True, monkeypatch=monkeypatch)
+    first_of_1 = len(plan_request(0).phases)
+    for b in range(2):
+        # the session's first phase goes in as the student made it, and anchors the request's later phases
+        torch.testing.assert_close(commits[0][b], outputs[0][b])
+        for i in range(1, first_of_1):
+            torch.testing.assert_close(_stats(commits[i][b]), _stats(commits[0][b]), atol=1e-4, rtol=0)
+            assert not torch.allclose(commits[i][b], outputs[i][b], atol=1e-3)
+    # request 1: the switched session's new prompt is its own anchor, the other keeps request 0's
+    torch.testing.assert_close(commits[first_of_1][0], outputs[first_of_1][0])
+    torch.testing.assert_close(_stats(commits[first_of_1][1]), _stats(commits[0][1]), atol=1e-4, rtol=0)
+    for i in range(first_of_1 + 1, len(phases)):
+        torch.testing.assert_close(_stats(commits[i][0]), _stats(commits[first_of_1][0]), atol=1e-4, rtol=0)
+
+
 @pytest.mark.slow
 def test_training_lowers_the_student_loss_and_exports_a_loadable_adapter(model, tmp_path):
     gen = torch.Generator().manual_seed(5)

@@ -44,7 +44,7 @@ from services.dit.model.layout import PackedLayout, pack_layout
 from services.dit.model.lora import AdapterSpec, LoRAAdapter, lora_targets, write_adapter
 from services.dit.model.network import PRESETS, DiT
 from services.dit.stream.geometry import Canvas, PhasePlan, plan_request, request_latent_start
-from services.dit.stream.runtime import patchify
+from services.dit.stream.runtime import patchify, renormalise
 from services.dit.stream.schedule import (AUDIO_SIGMAS, TEACHER_MILESTONES, TEACHER_SIGMAS, VIDEO_SIGMAS, euler_step,
                                           model_t)
 from services.dit.stream.timeline import Timeline
@@ -274,13 +274,17 @@ class StudentLoss:
 
 
 def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, self_rollout: bool,
-                 first_phase_weight: float = 1.0) -> StudentLoss:
+                 first_phase_weight: float = 1.0, self_commit: bool = False) -> StudentLoss:
     """Every phase of the batch's sessions as the runtime runs them; the x0 loss of each student step.
 
     The first phase of each request weighs `first_phase_weight` against 1 for the others: there the prompt is new
     (the opening, with no history; a switch, with the history still showing the old prompt's scene), so only the
-    text can say what to draw, while every later phase can copy most of its scene from the history."""
+    text can say what to draw, while every later phase can copy most of its scene from the history.
+
+    Each phase commits the clean latents, or with `self_commit` what serving commits: the student's own output
+    (its last Euler step), renormalised as the runtime's prompt anchor does (`own_commit`)."""
     commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+    anchors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch.sessions)
     audio_rows: list[int] = []
     per_step = [[] for _ in range(STEPS)]
     per_phase = []
@@ -311,12 +315,29 @@ def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, se
             total = total + weight * phase
             weights += weight * STEPS
             per_phase.append(phase.detach() / STEPS)
-            _, att = forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True, texts=texts)
+            committed = own_commit(batch, ph, x, anchors) if self_commit else x0_v
+            _, att = forward(model, batch, ph, committed, x0_a, 0.0, 0.0, history, commit=True, texts=texts)
             commits.append((n, att.committed))
             audio_rows.append(x0_a.shape[1])
             n += 1
     steps = torch.stack([torch.stack(p) for p in per_step]).mean(dim=1).tolist()  # one read, no sync a forward
     return StudentLoss(total / weights, tuple(steps), tuple(torch.stack(per_phase).tolist()))
+
+
+def own_commit(batch: SessionBatch, ph: PhasePlan, x: torch.Tensor,
+               anchors: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
+    """The student's clean output `x` `[B, Tv, 96]` as the runtime commits it: each session's rows renormalised to
+    the first phase of the request where its prompt began (that phase is its own anchor: request 0's first, and a
+    later request's first when its caption differs from the last request's). Updates `anchors` in place."""
+    rows = []
+    for b, session in enumerate(batch.sessions):
+        k = ph.request_index
+        new_prompt = ph.phase_index == 0 and (k == 0 or not torch.equal(session.texts[k], session.texts[k - 1]))
+        own, mean, std = renormalise(x[b], None if new_prompt else anchors[b])
+        if new_prompt:
+            anchors[b] = (mean, std)
+        rows.append(own)
+    return torch.stack(rows).detach()
 
 
 def student_adapter(model: DiT, rank: int, seed: int) -> LoRAAdapter:
@@ -354,6 +375,9 @@ class StudentRunConfig:
     switch: float = 0.35
     first_phase_weight: float = 1.0
     """The weight of each request's first phase in the student's loss (`session_loss`)."""
+    self_commit: float = 0.0
+    """The fraction of steps whose sessions commit the student's own output instead of the clean latents (as
+    served; `session_loss`)."""
     self_rollout: float = 0.5
     minutes: float = 8.0
     max_steps: int | None = None
@@ -434,7 +458,9 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
         optimizer.zero_grad(set_to_none=True)
         batch = SessionBatch([encode_session(cond, next(clips)) for _ in range(cfg.sessions)], device)
         rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
-        loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight)
+        # drawn only when asked for, so runs without it keep the random stream they always had
+        own = cfg.self_commit > 0 and bool(torch.rand((), generator=generator) < cfg.self_commit)
+        loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight, own)
         loss.total.backward()
         if base_clips is not None:
             with adapter.suspended():  # the base's own objective, LoRA off
@@ -499,9 +525,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--state", required=True, type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
-    for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_rollout", "minutes",
-                 "max_steps", "save_every", "log_every", "distinct", "workers", "base_lr", "base_accum", "teacher_docs",
-                 "openings"):
+    for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_commit", "self_rollout",
+                 "minutes", "max_steps", "save_every", "log_every", "distinct", "workers", "base_lr", "base_accum",
+                 "teacher_docs", "openings"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
@@ -524,6 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_float32_matmul_precision("high")
     cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
                            switch=args.switch, first_phase_weight=args.first_phase_weight,
+                           self_commit=args.self_commit,
                            self_rollout=args.self_rollout, minutes=args.minutes,
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,

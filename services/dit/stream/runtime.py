@@ -112,6 +112,19 @@ def unpatchify(rows: torch.Tensor, frames: int, height: int, width: int, patch: 
                      w=width // patch, ph=patch, pw=patch)
 
 
+def renormalise(rows: torch.Tensor, anchor: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clean video rows `[Tv, 96]` (float32) affinely matched to the anchor's per-feature (each of the 96 columns)
+    mean and population std, unchanged without one; and the rows' own mean and std `[96]`, an anchor for later."""
+    rows = rows.float()
+    mean = rows.mean(dim=0)  # [96]
+    std = rows.std(dim=0, unbiased=False).clamp_min(1e-6)
+    if anchor is not None:
+        ref_mean, ref_std = anchor
+        rows = (rows - mean) / std * ref_std + ref_mean
+    return rows, mean, std
+
+
 @dataclass
 class _RequestState:
     """What one request computes once and its phases share."""
@@ -384,15 +397,8 @@ class StreamingSession:
 
     def _renormalise(self, rows: torch.Tensor, ph: PhasePlan, anchor: tuple[torch.Tensor, torch.Tensor] | None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Clean video `[F, C, h, w]` whose rows are affinely matched to the anchor's per-feature (each of the rows'
-        96 columns) mean and population std (unchanged without one); returns it and this phase's row statistics."""
-        # rows: [Tv, 96]
-        rows = rows.float()
-        mean = rows.mean(dim=0)  # [96]
-        std = rows.std(dim=0, unbiased=False).clamp_min(1e-6)
-        if anchor is not None:
-            ref_mean, ref_std = anchor
-            rows = (rows - mean) / std * ref_std + ref_mean
+        """Clean video `[F, C, h, w]` of the phase's rows `renormalise`d to the anchor; and the rows' statistics."""
+        rows, mean, std = renormalise(rows, anchor)
         video = unpatchify(rows, ph.num_latents, self.canvas.latent_height, self.canvas.latent_width)
         return video, mean, std
 
