@@ -80,7 +80,8 @@ def build_runtime(profile: Profile, device: torch.device) -> DiTRuntime:
     runtime = DiTRuntime(model, RuntimeConfig(
         canvases=cfg.canvas_short_edges, max_text_tokens=profile.encoder.max_tokens,
         ulysses_degree=cfg.usp_degree, audio_reset_requests=cfg.audio_reset_requests,
-        reuse_text_kv=cfg.reuse_text_kv, renormalise_anchor=cfg.renormalise_anchor, text_buckets=cfg.prompt_buckets if block_graphs else ()), adapter)
+        reuse_text_kv=cfg.reuse_text_kv, renormalise_anchor=cfg.renormalise_anchor,
+        text_buckets=cfg.prompt_buckets if block_graphs else ()), adapter)
     runtime.teacher.overlap = cfg.teacher_overlap
     if cfg.cuda_graphs and cfg.usp_degree == 1:  # a Ulysses group captures them once it has formed (launch)
         runtime.teacher.capture_graphs(PromptBuckets(cfg.prompt_buckets))

@@ -8,12 +8,12 @@ commit and the first student step, which needs no teacher state). Per phase: thr
 video; the student's audio is overwritten by teacher states 3/6/9, each waited for when it is needed), renormalise
 the clean video rows to an anchor phase's per-feature statistics (the session's first phase, as the official
 runtime; with `renormalise_anchor` "prompt", the first phase of the request where the active prompt began), hand
-the latents out, then one clean-commit
-forward at sigma = 0 without heads that stages K/V of every layer and commits them as one transaction (rollback on
-any failure). The commit runs at the start of the next phase (before its students, which read that K/V): a phase's
-latents never wait for their own commit, and a failed commit is retried before the students. A request's text rows
-are computed once per text timestep (the 3 student steps and the commit): the first forward at that timestep records
-their K/V of every layer, the same step of the request's later phases runs on its media rows alone
+the latents out, then one clean-commit forward at sigma = 0 without heads that stages K/V of every layer and commits
+them as one transaction (rollback on any failure). The commit runs at the start of the next phase (before its
+students, which read that K/V): a phase's latents never wait for their own commit, and a failed commit is retried
+before the students. A request's text rows are computed once per text timestep (the 3 student steps and the
+commit): the first forward at that timestep records their K/V of every layer, the same step of the request's later
+phases runs on its media rows alone
 (`RuntimeConfig.reuse_text_kv`); with `RuntimeConfig.text_buckets` the text rows are padded to a bucket, so those
 four forwards also have shapes the block graphs hold. Cancellation is checked between forwards and releases the
 session's KV at once. Knows nothing about transport, encoding or decoding.
