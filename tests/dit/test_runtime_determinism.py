@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.dit.api import SessionConfig
+from services.dit.api import RuntimeConfig, SessionConfig
 from services.dit.stream.geometry import check_canvas, plan_request
 from services.dit.stream.runtime import DiTRuntime, patchify, request_noise
 from tests.dit.factories import TINY, tiny_prompt, tiny_runtime
@@ -14,15 +14,17 @@ ARGS = TINY
 PHASES = 6  # request 0 and the first two phases of request 1 (teacher tail, audio continuity)
 
 
-def make_runtime(adapter_dir) -> DiTRuntime:
-    return tiny_runtime(adapter_dir)
+def make_runtime(adapter_dir, **config) -> DiTRuntime:
+    return tiny_runtime(adapter_dir, **config)
 
 
 prompt = tiny_prompt
 
 
-def run(adapter_dir, seed=7, phases=PHASES, teacher_log=None):
-    rt = make_runtime(adapter_dir)
+def run(adapter_dir, seed=7, phases=PHASES, teacher_log=None, update=None, **config):
+    """`phases` phases of a session on prompt 1; `update` (a prompt) sent after the first phase, so it applies from
+    request 1; `config`: RuntimeConfig keywords."""
+    rt = make_runtime(adapter_dir, **config)
     if teacher_log is not None:
         inner = rt.teacher.run
 
@@ -33,7 +35,10 @@ def run(adapter_dir, seed=7, phases=PHASES, teacher_log=None):
 
         rt.teacher.run = logged
     session = rt.open_session(SessionConfig(seed=seed, width=96, height=64), prompt(1, "first"))
-    outs = [session.next_phase() for _ in range(phases)]
+    outs = [session.next_phase()]
+    if update is not None:
+        session.submit_prompt(update)
+    outs += [session.next_phase() for _ in range(phases - 1)]
     session.close()
     return outs
 
@@ -117,21 +122,9 @@ def _stats(out):
     return rows.mean(dim=0), rows.std(dim=0, unbiased=False)
 
 
-def _updated_run(adapter_dir, anchor: str, update: bool, phases: int = PHASES):
-    """Request 0 on prompt 1, request 1 on prompt 2 when `update` (sent before request 1 began)."""
-    rt = tiny_runtime(adapter_dir, renormalise_anchor=anchor)
-    session = rt.open_session(SessionConfig(seed=7, width=96, height=64), prompt(1, "first"))
-    outs = [session.next_phase()]
-    if update:
-        session.submit_prompt(prompt(2, "second"))
-    outs += [session.next_phase() for _ in range(phases - 1)]
-    session.close()
-    return outs
-
-
 @pytest.mark.slow
 def test_with_the_prompt_anchor_an_update_renormalises_to_the_first_phase_of_its_own_request(adapter_dir):
-    outs = _updated_run(adapter_dir, "prompt", update=True)
+    outs = run(adapter_dir, update=prompt(2, "second"), renormalise_anchor="prompt")
     first_request, second_request = outs[:4], outs[4:]
     assert second_request[0].meta.started_event_ids == ("second",)
     for out in first_request[1:]:
@@ -144,7 +137,7 @@ def test_with_the_prompt_anchor_an_update_renormalises_to_the_first_phase_of_its
 
 @pytest.mark.slow
 def test_with_the_session_anchor_an_update_stays_renormalised_to_the_sessions_first_phase(adapter_dir):
-    outs = _updated_run(adapter_dir, "session", update=True)
+    outs = run(adapter_dir, update=prompt(2, "second"), renormalise_anchor="session")
     assert outs[4].meta.started_event_ids == ("second",)
     for out in outs[1:]:
         torch.testing.assert_close(_stats(out), _stats(outs[0]), atol=1e-4, rtol=0)
@@ -152,12 +145,11 @@ def test_with_the_session_anchor_an_update_stays_renormalised_to_the_sessions_fi
 
 @pytest.mark.slow
 def test_the_prompt_anchor_changes_no_byte_of_a_session_without_an_update(adapter_dir, first_run):
-    outs = _updated_run(adapter_dir, "prompt", update=False)
+    outs = run(adapter_dir, renormalise_anchor="prompt")
     for got, want in zip(outs, first_run[0], strict=True):
         assert torch.equal(got.video, want.video) and torch.equal(got.audio, want.audio)
 
 
 def test_an_unknown_renormalise_anchor_is_refused_with_its_name():
-    from services.dit.api import RuntimeConfig
     with pytest.raises(ValueError, match="renormalise_anchor='request'"):
         RuntimeConfig.for_preset("tiny", renormalise_anchor="request")

@@ -329,9 +329,8 @@ def own_commit(batch: SessionBatch, ph: PhasePlan, x: torch.Tensor,
     """The student's clean output `x` `[B, Tv, 96]` as the runtime commits it: each session's rows renormalised to
     the first phase of the request where its prompt began (that phase is its own anchor: request 0's first, and a
     later request's first when its caption differs from the last request's). Updates `anchors` in place."""
-    rows = []
+    rows, k = [], ph.request_index
     for b, session in enumerate(batch.sessions):
-        k = ph.request_index
         new_prompt = ph.phase_index == 0 and (k == 0 or not torch.equal(session.texts[k], session.texts[k - 1]))
         own, mean, std = renormalise(x[b], None if new_prompt else anchors[b])
         if new_prompt:

@@ -13,9 +13,8 @@ them as one transaction (rollback on any failure). The commit runs at the start 
 students, which read that K/V): a phase's latents never wait for their own commit, and a failed commit is retried
 before the students. A request's text rows are computed once per text timestep (the 3 student steps and the
 commit): the first forward at that timestep records their K/V of every layer, the same step of the request's later
-phases runs on its media rows alone
-(`RuntimeConfig.reuse_text_kv`); with `RuntimeConfig.text_buckets` the text rows are padded to a bucket, so those
-four forwards also have shapes the block graphs hold. Cancellation is checked between forwards and releases the
+phases runs on its media rows alone (`RuntimeConfig.reuse_text_kv`); with `RuntimeConfig.text_buckets` the text rows
+are padded to a bucket, so those four forwards also have shapes the block graphs hold. Cancellation is checked between forwards and releases the
 session's KV at once. Knows nothing about transport, encoding or decoding.
 """
 
