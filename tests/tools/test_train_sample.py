@@ -29,8 +29,8 @@ def test_look_reads_the_shapes_colour_and_the_colours_pitch(colour):
 
 
 def test_look_follows_the_shape_to_the_right_and_the_balance_with_it():
-    left = world.Scene("square", "red", "grey", "still", 30.0, 60.0, 96.0)
-    right = world.Scene("square", "red", "grey", "still", 30.0, 260.0, 96.0)
+    left = world.Scene("square", "red", "grey", "still", 44.0, 60.0, 96.0)
+    right = world.Scene("square", "red", "grey", "still", 44.0, 260.0, 96.0)
     looks = [sample.look(*_span_media(s)[:2], world.SAMPLE_RATE, sample.Span(0, 0, 0, 34)) for s in (left, right)]
     assert looks[0].centroid[0] == pytest.approx(60.0, abs=1.0) and looks[1].centroid[0] == pytest.approx(260, abs=1)
     assert looks[0].balance_db < -3.0 < 3.0 < looks[1].balance_db

@@ -72,15 +72,15 @@ def test_clips_have_the_tiny_canvas_rate_and_dtypes():
 
 
 def test_the_caption_names_the_scene():
-    scene = Scene("circle", "red", "dark blue", "left", 32.0, 200.0, 96.0)
+    scene = Scene("circle", "red", "dark blue", "left", 44.0, 200.0, 96.0)
     assert scene.caption == "a red circle moving left on a dark blue background, a low beat"
-    assert Scene("square", "white", "grey", "still", 30.0, 100.0, 90.0).caption == \
+    assert Scene("square", "white", "grey", "still", 44.0, 100.0, 90.0).caption == \
         "a white square standing still on a grey background, a bright hum"
 
 
 @pytest.mark.parametrize("shape, fill", [("circle", math.pi / 4), ("square", 1.0), ("triangle", 0.5)])
 def test_the_shape_is_drawn_in_its_colour_with_its_outline(shape, fill):
-    scene = Scene(shape, "red", "dark blue", "still", 36.0, 160.0, 96.0)
+    scene = Scene(shape, "red", "dark blue", "still", 48.0, 160.0, 96.0)
     frame = render_video(scene, 0, 1)[0]
     solid = np.all(frame == COLOUR_BY_NAME["red"].rgb, axis=-1)
     ys, xs = np.nonzero(solid)
@@ -94,7 +94,7 @@ def test_the_shape_is_drawn_in_its_colour_with_its_outline(shape, fill):
 @pytest.mark.parametrize("motion, dx, dy", [("left", -32.0, 0.0), ("right", 32.0, 0.0), ("up", 0.0, -19.2),
                                             ("down", 0.0, 19.2), ("still", 0.0, 0.0)])
 def test_the_centroid_moves_as_the_caption_says(motion, dx, dy):
-    scene = Scene("circle", "green", "black", motion, 30.0, 160.0, 96.0)
+    scene = Scene("circle", "green", "black", motion, 44.0, 160.0, 96.0)
     video = render_video(scene, 0, 13)  # half a second
     (x0, y0), (x1, y1) = (centroid(coverage(f, "black", "green")) for f in (video[0], video[12]))
     assert (x0, y0) == pytest.approx((160.0, 96.0), abs=0.5)
@@ -102,7 +102,7 @@ def test_the_centroid_moves_as_the_caption_says(motion, dx, dy):
 
 
 def test_a_bouncing_shape_lands_on_the_floor_once_a_second_and_the_thump_comes_with_it():
-    scene = Scene("square", "yellow", "grey", "bounce", 30.0, 160.0, 0.0, phase=0.25)
+    scene = Scene("square", "yellow", "grey", "bounce", 44.0, 160.0, 0.0, phase=0.25)
     video = render_video(scene, 0, 2 * FPS)
     ys = np.array([centroid(coverage(f, "grey", "yellow"))[1] for f in video])
     lowest = np.flatnonzero(ys > ys.max() - 0.5)  # frames on the floor: t = 0.75 s and 1.75 s
@@ -115,19 +115,19 @@ def test_a_bouncing_shape_lands_on_the_floor_once_a_second_and_the_thump_comes_w
 
 @pytest.mark.parametrize("colour", [c.name for c in COLOURS])
 def test_the_tone_is_the_colours_pitch(colour):
-    scene = Scene("triangle", colour, "brown", "still", 30.0, 160.0, 96.0)
+    scene = Scene("triangle", colour, "brown", "still", 44.0, 160.0, 96.0)
     mono = render_audio(scene, 0, SAMPLE_RATE).sum(0)
     assert dominant_hz(mono) == pytest.approx(COLOUR_BY_NAME[colour].pitch_hz, abs=1.5)
 
 
 @pytest.mark.parametrize("motion, rate", [("left", 2.0), ("up", 6.0), ("bounce", 1.0)])
 def test_the_rhythm_follows_the_motion(motion, rate):
-    scene = Scene("circle", "blue", "black", motion, 30.0, 160.0, 96.0)
+    scene = Scene("circle", "blue", "black", motion, 44.0, 160.0, 96.0)
     assert modulation_hz(render_audio(scene, 0, 4 * SAMPLE_RATE).sum(0)) == pytest.approx(rate, abs=0.3)
 
 
 def test_a_still_shape_hums_at_a_constant_loudness():
-    mono = render_audio(Scene("circle", "blue", "black", "still", 30.0, 160.0, 96.0), 0, SAMPLE_RATE).sum(0)
+    mono = render_audio(Scene("circle", "blue", "black", "still", 44.0, 160.0, 96.0), 0, SAMPLE_RATE).sum(0)
     window = SAMPLE_RATE // 20  # 50 ms: 22 periods of the 440 Hz tone
     rms = np.sqrt((mono.reshape(-1, window) ** 2).mean(1))
     assert rms.std() / rms.mean() < 0.01
@@ -135,18 +135,18 @@ def test_a_still_shape_hums_at_a_constant_loudness():
 
 @pytest.mark.parametrize("x", [64.0, 160.0, 256.0])
 def test_the_balance_follows_the_shapes_x(x):
-    audio = render_audio(Scene("square", "red", "black", "still", 30.0, x, 96.0), 0, SAMPLE_RATE)
+    audio = render_audio(Scene("square", "red", "black", "still", 44.0, x, 96.0), 0, SAMPLE_RATE)
     left, right = np.sqrt((audio ** 2).mean(1))
     assert right / left == pytest.approx(math.tan(x / WIDTH * math.pi / 2), rel=0.01)
 
 
 def test_the_balance_moves_right_with_a_shape_moving_right_and_never_jumps_as_it_wraps():
-    scene = Scene("circle", "white", "black", "right", 30.0, 40.0, 96.0)
+    scene = Scene("circle", "white", "black", "right", 44.0, 60.0, 96.0)
     audio = render_audio(scene, 0, 5 * SAMPLE_RATE)
     quarter = SAMPLE_RATE // 4
     rms = np.sqrt((audio[:, : 16 * quarter].reshape(2, 16, quarter) ** 2).mean(-1))  # [2, 16] per 0.25 s
     ratio = rms[1] / rms[0]
-    assert np.all(np.diff(ratio[:12]) > 0)  # rightwards until it reaches the right edge (x = 40 + 64 t)
+    assert np.all(np.diff(ratio[:12]) > 0)  # rightwards until it reaches the right edge (x = 60 + 64 t)
     t = np.arange(5 * SAMPLE_RATE) / SAMPLE_RATE
     left, right = world._balance(scene, t)
     assert np.abs(np.diff(left)).max() < 1e-3 and np.abs(np.diff(right)).max() < 1e-3

@@ -8,7 +8,8 @@ clip on every machine (numpy only, `np.random.default_rng(seed)`).
 
 Grammar (each value is named in the caption):
 
-- shapes: circle, square, triangle (pointing up); size 26-40 px half-extent, not captioned;
+- shapes: circle, square, triangle (pointing up); size 40-56 px half-extent, not captioned (large
+  against the 16 px latent grid, so that each shape keeps its outline through the VAE: see `SIZE_RANGE`);
 - colours, each with the pitch of its tone and the word the caption uses for it: purple 160 Hz "deep",
   red 240 Hz "low", green 320 Hz "soft", blue 440 Hz "clear", yellow 640 Hz "high", white 880 Hz "bright".
   Every pitch is a multiple of 40 Hz, the audio VAE's latent rate: a tone then starts each 800-sample latent at the
@@ -97,7 +98,10 @@ BOUNCE_PERIOD = 1.0  # s between landings
 BEAT_HZ, FLUTTER_HZ = 2.0, 6.0
 THUMP_DECAY, THUMP_ATTACK = 0.12, 0.008  # s
 AMPLITUDE = 0.4  # peak of the tone before panning; the audio VAE's decoder clamps at 1
-SIZE_RANGE = (26.0, 40.0)  # half-extent in px
+SIZE_RANGE = (40.0, 56.0)
+"""Half-extent in px. At 26-40 px a circle and a square both came back from the trained VAE as the same square
+(IoU 0.84 and 0.88 against the two): their difference lies inside the corner cells of the 16 px latent grid. From
+about 48 px the corners are cells of their own, and the decode tells them apart (docs/training.md, "Shapes")."""
 _MARGIN = 6.0  # px kept between a non-wrapping shape and the canvas edge
 # How far each shape reaches from its centre, per unit of size: (left/right, above, below).
 _REACH = {"circle": (1.0, 1.0, 1.0), "square": (0.9, 0.9, 0.9), "triangle": (1.25 * math.sqrt(3) / 2, 1.25, 0.625)}
@@ -320,7 +324,7 @@ def all_captions() -> list[str]:
             for shape in SHAPES for colour in COLOURS for background in BACKGROUNDS for motion in MOTIONS]
 
 
-OPENING_SIZE = 33.0
+OPENING_SIZE = 48.0
 """Half-extent of the shapes of a streamed session (`opening_scene`), the middle of `SIZE_RANGE`."""
 
 
