@@ -116,6 +116,16 @@ def test_an_update_of_every_colour_shows_from_the_acknowledged_request(recoloure
         assert_shows(lk, RED_ON_BLACK if lk.request == 0 else YELLOW_ON_GREY)
 
 
+@pytest.mark.parametrize("shape", world.SHAPES)
+def test_each_typed_shape_shows_its_own_outline(shape, tmp_path):
+    """A circle, a square and a triangle, each standing still, each phase of the first request: the outline a person
+    reads (`sample.outline`: widths near the top and the bottom against the widest) is the typed shape's."""
+    scene = world.opening_scene(shape, "white", "black", "still")
+    stream = sample(TREE, scene.caption, [], requests=1, seed=0, service_log=str(tmp_path / "services.log"))
+    shown = [(lk.phase, lk.shape) for lk in looks(stream)]
+    assert len(shown) == 4 and all(s == shape for _, s in shown), f"typed a {shape}, the phases show {shown}"
+
+
 @pytest.mark.parametrize("motion", ["left", "right"])
 def test_a_shape_moving_left_or_right_moves_that_way_at_the_worlds_speed_in_the_first_phase(motion, tmp_path):
     """The first phase (its first 34 frames, 1.4 s) follows the typed motion: a line fitted to the shape's x over its

@@ -77,3 +77,39 @@ def test_sampling_a_tree_streams_its_first_request_and_leaves_no_service_running
     assert s.spans[-1].stop == len(s.frames) and s.sample_rate == world.SAMPLE_RATE
     assert s.audio.shape[0] == 2 and s.audio.shape[1] >= 124 * world.SAMPLE_RATE // world.FPS * 0.95
     assert _sample_processes() == []
+
+
+
+def _staircase(cells_per_row: list[int]) -> np.ndarray:
+    """A mask drawn on the 16 px latent grid, centred: row r of cells is `cells_per_row[r]` cells wide."""
+    mask = np.zeros((world.HEIGHT, world.WIDTH), bool)
+    for r, n in enumerate(cells_per_row):
+        mask[48 + 16 * r:64 + 16 * r, 160 - 8 * n:160 + 8 * n] = True
+    return mask
+
+
+@pytest.mark.parametrize("shape", world.SHAPES)
+@pytest.mark.parametrize("size", [world.SIZE_RANGE[0], world.OPENING_SIZE, world.SIZE_RANGE[1]])
+def test_outline_reads_each_shape_drawn_sharp_anywhere(shape, size):
+    for x, y in ((160.0, 96.0), (150.0, 100.0), (171.0, 85.0)):
+        frame = world.render_video(world.Scene(shape, "red", "black", "still", size, x, y), 0, 1)[0]
+        mask, _ = sample.shape_mask(frame)
+        assert sample.outline(mask) == shape, f"{shape} of size {size} at ({x}, {y})"
+
+
+@pytest.mark.parametrize("shape, cells", [("circle", [4, 6, 6, 6, 6, 4]), ("square", [6] * 6),
+                                          ("triangle", [2, 4, 4, 6, 6])])
+def test_outline_reads_the_staircases_the_trained_vae_draws_at_the_opening_size(shape, cells):
+    # the cells each shape's decode covered at OPENING_SIZE (the trained VAE, 2026-12-04, docs/training.md)
+    assert sample.outline(_staircase(cells)) == shape
+
+
+def test_outline_of_nothing_and_of_a_shape_split_by_the_edge():
+    assert sample.outline(np.zeros((world.HEIGHT, world.WIDTH), bool)) == "none"
+    frame = world.render_video(world.Scene("square", "red", "black", "left", 48.0, 0.0, 96.0), 0, 1)[0]
+    mask, _ = sample.shape_mask(frame)
+    assert sample.outline(mask) == "square"  # both halves span the same rows: its widths are read whole
+    mask[:, :] = False
+    mask[40:60, 10:200] = True
+    mask[60:150, 100:110] = True  # a T: wide at the top, narrow below
+    assert sample.outline(mask) == "unclear"

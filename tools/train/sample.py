@@ -55,6 +55,8 @@ class Look:
     """(x, y) of the shape's pixels, in pixels, mean over the span's frames."""
     coverage: float
     """Fraction of the frame the shape covers."""
+    shape: str
+    """The outline most of the span's frames show (`outline`)."""
     pitch_hz: float
     """Loudest frequency of the span's sound (both channels summed)."""
     balance_db: float
@@ -114,13 +116,35 @@ def shape_mask(frame: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return distance > 60, background
 
 
+def outline(mask: np.ndarray) -> str:
+    """Which of the world's shapes a mask `[H, W]` bool draws, as a person tells them apart: a square is as wide at
+    the top and the bottom as at its widest; a triangle is narrow at the top and wide at the bottom; a circle is
+    narrower at both. The widths are read at 1/8 and 7/8 of the mask's height, against its widest row, so that the
+    16 px staircase a decode draws for an outline reads as the shape it steps around (`circle`, `square`,
+    `triangle`; `none` under 20 pixels; `unclear` for anything else, e.g. a shape split by the canvas's edge)."""
+    if mask.sum() < 20:
+        return "none"
+    rows = np.flatnonzero(mask.any(axis=1))
+    widths = mask[rows[0]:rows[-1] + 1].sum(axis=1)  # [h] pixels a row
+    h, widest = len(widths), widths.max()
+    top, bottom = widths[h // 8] / widest, widths[(7 * h) // 8] / widest
+    if top > 0.85 and bottom > 0.85:
+        return "square"
+    if bottom - top > 0.3:
+        return "triangle"
+    if top < 0.85 and bottom < 0.85 and abs(top - bottom) <= 0.25:
+        return "circle"
+    return "unclear"
+
+
 def look(frames: np.ndarray, audio: np.ndarray, rate: int, span: Span) -> Look:
     """Measure one span: the frames [start, stop) and the sound over the same media time."""
-    colours, backgrounds, xs, ys, cover = [], [], [], [], []
+    colours, backgrounds, xs, ys, cover, shapes = [], [], [], [], [], []
     for frame in frames[span.start:span.stop]:
         mask, background = shape_mask(frame)
         backgrounds.append(background)
         cover.append(mask.mean())
+        shapes.append(outline(mask))
         if mask.sum() >= 20:
             colours.append(np.median(frame[mask], axis=0))
             yy, xx = np.nonzero(mask)
@@ -131,7 +155,7 @@ def look(frames: np.ndarray, audio: np.ndarray, rate: int, span: Span) -> Look:
     pitch, balance = sound_of(audio[:, lo:hi], rate)
     return Look(span.request, span.phase, colour, tuple(int(v) for v in np.median(backgrounds, axis=0)),
                 (float(np.mean(xs)) if xs else -1.0, float(np.mean(ys)) if ys else -1.0), float(np.mean(cover)),
-                pitch, balance)
+                max(set(shapes), key=shapes.count), pitch, balance)
 
 
 def sound_of(audio: np.ndarray, rate: int) -> tuple[float, float]:
@@ -208,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sample(args.tree, args.prompt, updates, args.requests, args.seed, args.service_log)
     print(f"{len(s.frames)} frames, {s.audio.shape[1] / s.sample_rate:.2f} s of sound at {s.sample_rate} Hz; "
           f"updates applied at chunks {s.result.applied_at}")
-    print("req phase  colour          background      centroid (x, y)   cover  pitch Hz  R-L dB")
+    print("req phase  colour          background      centroid (x, y)   cover  shape     pitch Hz  R-L dB")
     for lk in looks(s):
         print(f"{lk.request:3d} {lk.phase:5d}  {str(lk.colour):15s} {str(lk.background):15s} "
-              f"({lk.centroid[0]:6.1f}, {lk.centroid[1]:6.1f})  {lk.coverage:5.3f}  {lk.pitch_hz:8.1f}  "
+              f"({lk.centroid[0]:6.1f}, {lk.centroid[1]:6.1f})  {lk.coverage:5.3f}  {lk.shape:8s}  {lk.pitch_hz:8.1f}  "
               f"{lk.balance_db:6.2f}")
     if args.sheet:
         contact_sheet(s, args.sheet)
