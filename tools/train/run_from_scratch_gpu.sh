@@ -168,10 +168,11 @@ collect)
     dit=$(cd "$W/export" && ls -d base_stage2 base lora 2>/dev/null)
     [ -n "$dit" ] && tar -C "$W/export" -cf "$OUT/dit.tar" $dit
     tar -C "$W" -cf "$OUT/logs.tar" logs progress $(cd "$W" && ls state/*/log.jsonl 2>/dev/null)
-    # the trainers' states while they train: the base's until it exported, the student's; the VAEs' (24-29 MB, in
-    # parts under 16 MiB) both while stage 1 runs, then the video decoder's alone (the long pole) until it exported.
-    # A call that carries stage 1's VAEs without a decoder's state takes stage 1's of that kind as final.
-    [ -d "$W/export/base_stage2" ] || cp "$W/state/base/state.pt" "$OUT/base.state.pt" 2>/dev/null
+    # the trainers' states: the base's (also once it exported, so that a later run can train the base on before its
+    # student), the student's; the VAEs' (24-29 MB, in parts under 16 MiB) both while stage 1 runs, then the video
+    # decoder's alone (the long pole) until it exported. A call that carries stage 1's VAEs without a decoder's
+    # state takes stage 1's of that kind as final.
+    cp "$W/state/base/state.pt" "$OUT/base.state.pt" 2>/dev/null
     [ -f "$W/state/joint/state.pt" ] && cp "$W/state/joint/state.pt" "$OUT/joint.state.pt"
     kinds="vae_video vae_audio"
     [ -d "$W/vae_root" ] && kinds=vae_video
