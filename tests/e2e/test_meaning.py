@@ -18,10 +18,13 @@ from tools.train.sample import Look, Stream, looks, sample, shape_mask
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
 TREE = pathlib.Path(__file__).resolve().parents[2] / "models" / "tiny"
-RED = world.opening_scene("circle", "red", "dark blue", "still")
-BLUE = world.opening_scene("square", "blue", "dark blue", "still")
-RED_ON_BLACK = world.opening_scene("circle", "red", "black", "still")
-YELLOW_ON_GREY = world.opening_scene("square", "yellow", "grey", "still")
+SHIPPED_OPENING_SIZE = 33.0
+"""The opening size of the world `models/tiny` was trained on: run C's, from before the world's shapes grew to
+`world.OPENING_SIZE` (docs/training.md, "Shapes"). It becomes `world.OPENING_SIZE` when run D's model ships."""
+RED = world.opening_scene("circle", "red", "dark blue", "still", SHIPPED_OPENING_SIZE)
+BLUE = world.opening_scene("square", "blue", "dark blue", "still", SHIPPED_OPENING_SIZE)
+RED_ON_BLACK = world.opening_scene("circle", "red", "black", "still", SHIPPED_OPENING_SIZE)
+YELLOW_ON_GREY = world.opening_scene("square", "yellow", "grey", "still", SHIPPED_OPENING_SIZE)
 HOLD_S = 1.0
 
 
@@ -116,13 +119,19 @@ def test_an_update_of_every_colour_shows_from_the_acknowledged_request(recoloure
         assert_shows(lk, RED_ON_BLACK if lk.request == 0 else YELLOW_ON_GREY)
 
 
-@pytest.mark.parametrize("shape", world.SHAPES)
+RUN_C_DRAWS_A_SQUARE = pytest.mark.xfail(
+    strict=True, reason="run C's model draws every shape as a square of its size: the VAE at the old world's sizes "
+    "(docs/training.md, \"Shapes\"); run D trains on the larger shapes")
+
+
+@pytest.mark.parametrize("shape", [pytest.param("circle", marks=RUN_C_DRAWS_A_SQUARE), "square",
+                                   pytest.param("triangle", marks=RUN_C_DRAWS_A_SQUARE)])
 def test_each_typed_shape_shows_its_own_outline(shape, tmp_path):
     """A circle, a square and a triangle, each standing still, each phase of the first request: the outline a person
     reads (`sample.outline`: widths near the top and the bottom against the widest) is the typed shape's."""
     scene = world.opening_scene(shape, "white", "black", "still")
     stream = sample(TREE, scene.caption, [], requests=1, seed=0, service_log=str(tmp_path / "services.log"))
-    shown = [(lk.phase, lk.shape) for lk in looks(stream)]
+    shown = [(lk.phase, lk.shape) for lk in looks(stream) if lk.request == 0]
     assert len(shown) == 4 and all(s == shape for _, s in shown), f"typed a {shape}, the phases show {shown}"
 
 
@@ -131,7 +140,7 @@ def test_a_shape_moving_left_or_right_moves_that_way_at_the_worlds_speed_in_the_
     """The first phase (its first 34 frames, 1.4 s) follows the typed motion: a line fitted to the shape's x over its
     frames has the motion's sign and about its speed (64 px/s, 2.67 px a frame). Later phases lose the shape as it
     wraps around the edge (docs/training.md, "Run C")."""
-    scene = world.opening_scene("circle", "red", "black", motion)
+    scene = world.opening_scene("circle", "red", "black", motion, SHIPPED_OPENING_SIZE)
     stream = sample(TREE, scene.caption, [], requests=1, seed=0, service_log=str(tmp_path / "services.log"))
     first = stream.spans[0]
     frames, xs = [], []

@@ -216,3 +216,15 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def test_a_shape_too_large_for_the_canvas_is_refused_and_a_smaller_world_s_size_is_drawn():
+    with pytest.raises(ValueError, match="triangle must be narrower than half the canvas"):
+        Scene("triangle", "red", "black", "left", 80.0, 160.0, 96.0)
+    with pytest.raises(ValueError, match="size=0"):
+        Scene("circle", "red", "black", "still", 0.0, 160.0, 96.0)
+    # run C's world opened at 33 px, below today's SIZE_RANGE: its scenes still render, for the tests of its model
+    frame = render_video(world.opening_scene("square", "red", "black", "still", size=33.0), 0, 1)[0]
+    solid = np.all(frame == COLOUR_BY_NAME["red"].rgb, axis=-1)
+    assert solid.sum() == pytest.approx((2 * 0.9 * 33.0) ** 2, rel=0.05)
+    assert world.opening_scene("square", "red", "black", "still").size == world.OPENING_SIZE

@@ -133,8 +133,11 @@ class Scene:
             raise ValueError(f"background={self.background!r}: use one of {sorted(BACKGROUNDS)}")
         if self.motion not in MOTION_BY_NAME:
             raise ValueError(f"motion={self.motion!r}: use one of {sorted(MOTION_BY_NAME)}")
-        if not SIZE_RANGE[0] <= self.size <= SIZE_RANGE[1]:
-            raise ValueError(f"size={self.size}: must lie in {SIZE_RANGE}")
+        side, above, below = (r * self.size for r in _REACH[self.shape])
+        if not (self.size > 0 and 2 * side < WIDTH / 2 and above + below + 2 * _MARGIN < HEIGHT):
+            raise ValueError(f"size={self.size}: a {self.shape} must be narrower than half the canvas (so that the "
+                             f"copies of a wrapping shape never overlap) and leave room to bounce; the world draws "
+                             f"sizes in {SIZE_RANGE}")
 
     @property
     def caption(self) -> str:
@@ -338,10 +341,11 @@ def _inside(scene: Scene, x: float, y: float) -> tuple[float, float]:
     return x, y
 
 
-def opening_scene(shape: str, colour: str, background: str, motion: str) -> Scene:
+def opening_scene(shape: str, colour: str, background: str, motion: str, size: float = OPENING_SIZE) -> Scene:
     """The scene a streamed session opens on: its caption alone decides every pixel (centred, `OPENING_SIZE`, a
-    bounce just landed), so a model given only the caption has one right answer for the first frames."""
-    return Scene(shape, colour, background, motion, OPENING_SIZE, WIDTH / 2, HEIGHT / 2)
+    bounce just landed), so a model given only the caption has one right answer for the first frames. `size`: the
+    opening size of another world's model (a test of a model trained before the sizes changed)."""
+    return Scene(shape, colour, background, motion, size, WIDTH / 2, HEIGHT / 2)
 
 
 def continued_scene(previous: Scene, at: float, shape: str, colour: str, background: str, motion: str) -> Scene:
