@@ -194,3 +194,10 @@ def test_a_call_carrying_the_base_export_and_the_students_state_trains_the_stude
     assert "job exit 0" in log
     with tarfile.open(out / "dit.tar") as tar:  # the student's exports are made anew from its state
         assert {n.split("/")[0] for n in tar.getnames()} == {"base_stage2", "base", "lora"}
+
+
+def test_a_student_asked_for_distinct_sessions_trains_on_that_many_and_its_sessions_at_the_asked_size(tmp_path):
+    _, first, _ = _run(tmp_path, "first")
+    calls, _, log = _run(tmp_path, "second", FROM=str(first), JOINT_DISTINCT="4096", SESSIONS="16")
+    assert _steps(calls) == ["student"] and "job exit 0" in log
+    assert calls[0]["opts"]["--distinct"] == "4096" and calls[0]["opts"]["--sessions"] == "16"
