@@ -179,11 +179,33 @@ def test_an_opening_clip_is_the_sessions_opening_scene_from_frame_zero_and_leave
     for seed in clips:  # a clip not drawn as an opening is the clip it always was, a teacher document likewise
         assert torch.equal(kinds[seed].frames, trainer.render_example(seed, 22, 0.5).frames)
     for seed in set(kinds) - set(openings) - set(clips):
-        assert torch.equal(kinds[seed].wave, trainer.render_example(seed, 22, 0.5).wave)
+        if not kinds[seed].opening:
+            assert torch.equal(kinds[seed].wave, trainer.render_example(seed, 22, 0.5).wave)
     for seed in openings:
         clip = kinds[seed]
         scene = next(world.opening_scene(*g) for g in _grammars() if world.opening_scene(*g).caption == clip.caption)
         assert torch.equal(clip.frames, torch.from_numpy(world.render_video(scene, 0, 22)))
+
+
+def test_request_0s_teacher_documents_open_a_session_as_often_as_clips_do_and_later_requests_stay_as_they_were():
+    from tools.train import world
+    from tools.train.vae import HOP
+    kinds = {seed: trainer.render_example(seed, 22, 1.0, openings=0.5) for seed in range(80)}
+    first = [s for s, c in kinds.items() if c.request_index == 0]
+    opened = [s for s in first if kinds[s].opening]
+    assert 0 < len(opened) < len(first)
+    for seed, clip in kinds.items():
+        assert trainer.seen(seed, 1.0, 0.5) == trainer.Seen(seed, clip.request_index, clip.opening)
+        if not clip.opening:  # a random place and start, or a later request: as without openings
+            assert torch.equal(clip.wave, trainer.render_example(seed, 22, 1.0).wave)
+    for seed in opened:  # the opening scene's sound from its first sample: for a still shape, centred and steady
+        clip = kinds[seed]
+        scene = next(world.opening_scene(*g) for g in _grammars() if world.opening_scene(*g).caption == clip.caption)
+        n = plan_request(0).num_audio_latents * HOP
+        assert torch.equal(clip.wave, torch.from_numpy(world.render_audio(scene, 0, n)))
+    still = world.opening_scene("circle", "red", "black", "still")
+    left, right = world.render_audio(still, 0, 8000)
+    assert torch.allclose(torch.from_numpy(left), torch.from_numpy(right))
 
 
 def _grammars():

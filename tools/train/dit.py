@@ -104,10 +104,12 @@ class TeacherClip:
     request_index: int
     wave: torch.Tensor
     """[2, (n_tail + A) * HOP] float32 stereo: the tail's audio, then the new latents'."""
+    opening: bool = False
+    """Request 0 of a session's opening scene, from its first sample (see `render_example`)."""
 
     def pin_memory(self) -> "TeacherClip":
         """The DataLoader's pinning hook: the same clip in page-locked memory."""
-        return TeacherClip(self.seed, self.caption, self.request_index, self.wave.pin_memory())
+        return TeacherClip(self.seed, self.caption, self.request_index, self.wave.pin_memory(), self.opening)
 
 
 def _draw(seed: int, teacher_docs: float) -> tuple[world.Scene, int, int | None, world.Scene | None]:
@@ -165,13 +167,18 @@ def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float 
                    openings: float = 0.0) -> Clip | TeacherClip:
     """What world seed `seed` renders to (numpy only): its scene from a random start frame in the first 10 s, as a
     clip of `frames` frames or, for a `teacher_docs` fraction of the seeds, as an audio teacher document. Of the
-    clips, an `openings` fraction is instead an opening clip: a session's opening scene (`world.opening_scene`,
-    which the caption alone decides) from frame 0, its video to be trained from pure noise. A seed's clip and
-    teacher document are the same whatever the fractions, its opening draw coming from a stream of its own."""
+    request-0 documents, clips and teacher documents alike, an `openings` fraction instead opens a session: its
+    opening scene (`world.opening_scene`, which the caption alone decides) from frame 0, an opening clip's video to
+    be trained from pure noise. A served session's request 0 is always an opening, and only there does the caption
+    alone decide the balance (centred) and the rhythm's phase (the beat's and the bounce's from t = 0), which a
+    random place and start average away. A seed's documents are the same whatever the fractions, its opening draw
+    coming from a stream of its own."""
     scene, start, request, switched = _draw(seed, teacher_docs)
-    if request is not None:
-        return _render_teacher(seed, scene, start, request, switched)
     grammar = _opening_grammar(seed, openings)
+    if request is not None:
+        if request == 0 and grammar is not None:
+            return replace(_render_teacher(seed, world.opening_scene(*grammar), 0, 0), opening=True)
+        return _render_teacher(seed, scene, start, request, switched)
     if grammar is not None:
         return replace(_render_clip(seed, world.opening_scene(*grammar), 0, frames), opening=True)
     return _render_clip(seed, scene, start, frames)
@@ -185,12 +192,13 @@ class Seen:
     request_index: int | None
     """Its teacher document's request (None: a clip)."""
     opening: bool
+    """An opening clip, or request 0's teacher document of an opening scene (`render_example`)."""
 
 
 def seen(seed: int, teacher_docs: float, openings: float) -> Seen:
     """What `render_example` would render for `seed`, named without rendering it."""
     request = teacher_request(seed, teacher_docs)
-    return Seen(seed, request, request is None and _opening_grammar(seed, openings) is not None)
+    return Seen(seed, request, request in (None, 0) and _opening_grammar(seed, openings) is not None)
 
 
 def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
@@ -285,7 +293,7 @@ class Conditioner:
                                "example: only a caching conditioner's run from its first sample may skip rendering")
             return self._cache[key]
         if isinstance(clip, TeacherClip):
-            return self.cached((clip.seed, clip.request_index, False), lambda: TeacherExample(
+            return self.cached((clip.seed, clip.request_index, clip.opening), lambda: TeacherExample(
                 clip.caption, self.encode_caption(clip.caption), clip.request_index, self.encode_wave(clip.wave)))
         make = self._opening if clip.opening else self._encoded
         return self.cached((clip.seed, None, clip.opening), lambda: make(clip))
