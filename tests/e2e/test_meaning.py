@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tools.train import world
-from tools.train.sample import Look, Stream, looks, sample, shape_mask
+from tools.train.judge import first_phase_speed, world_speed
+from tools.train.sample import Look, Stream, looks, nearest_colour, sample, shape_mask
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
@@ -49,12 +50,6 @@ def held(tmp_path_factory) -> Stream:
     """Three requests of the red circle and no update, holding HOLD_S for a prompt at each request boundary."""
     log = tmp_path_factory.mktemp("meaning") / "services.log"
     return sample(TREE, RED.caption, [], requests=3, seed=0, service_log=str(log), hold_s=HOLD_S)
-
-
-def nearest_colour(rgb: tuple[int, int, int]) -> tuple[str, float, float]:
-    """(name of the grammar colour nearest to `rgb`, its distance, the distance to the next nearest), RGB 0-255."""
-    ranked = sorted((float(np.linalg.norm(np.subtract(rgb, c.rgb))), c.name) for c in world.COLOURS)
-    return ranked[0][1], ranked[0][0], ranked[1][0]
 
 
 def shape_iou(frames: np.ndarray, scene: world.Scene) -> float:
@@ -142,17 +137,8 @@ def test_a_shape_moving_left_or_right_moves_that_way_at_the_worlds_speed_in_the_
     wraps around the edge (docs/training.md, "Run C")."""
     scene = world.opening_scene("circle", "red", "black", motion, SHIPPED_OPENING_SIZE)
     stream = sample(TREE, scene.caption, [], requests=1, seed=0, service_log=str(tmp_path / "services.log"))
-    first = stream.spans[0]
-    frames, xs = [], []
-    for i in range(first.start, first.stop):
-        mask, _ = shape_mask(stream.frames[i])
-        if mask.sum() >= 20:
-            frames.append(i)
-            xs.append(float(np.nonzero(mask)[1].mean()))
-    assert len(frames) >= 0.8 * (first.stop - first.start), (
-        f"the shape shows in {len(frames)} of the first phase's {first.stop - first.start} frames")
-    slope = float(np.polyfit(frames, xs, 1)[0])
-    want = world.HORIZONTAL_SPEED / world.FPS * (1 if motion == "right" else -1)
+    slope, want = first_phase_speed(stream, motion), world_speed(motion)
+    assert not np.isnan(slope), "the shape shows in under 80% of the first phase's frames"
     # measured: -2.7 (left) and +2.5 (right) px a frame; run B's model kept the shape at the centre (0)
     assert np.sign(slope) == np.sign(want) and 0.5 * abs(want) < abs(slope) < 1.5 * abs(want), (
         f"moving {motion}: the shape's x changes {slope:+.2f} px a frame, the world {want:+.2f}")

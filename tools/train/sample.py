@@ -28,6 +28,7 @@ import numpy as np
 
 from services.client import ClientOptions, ClientResult, PromptUpdate, stream
 from tools.bench_tiny import FPS, bring_up_logged, media_seconds_of, request_start_s, write_profile
+from tools.train import world
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -106,6 +107,12 @@ def spans_of(result: ClientResult) -> list[Span]:
             spans.append(Span(c.request_index, c.phase_index, at, at + c.num_frames))
         at += c.num_frames
     return spans
+
+
+def nearest_colour(rgb: tuple[int, int, int]) -> tuple[str, float, float]:
+    """(name of the grammar colour nearest to `rgb`, its distance, the distance to the next nearest), RGB 0-255."""
+    ranked = sorted((float(np.linalg.norm(np.subtract(rgb, c.rgb))), c.name) for c in world.COLOURS)
+    return ranked[0][1], ranked[0][0], ranked[1][0]
 
 
 def shape_mask(frame: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,56 @@
+"""The judge's scoring (tools/train/judge.py) on what a phase shows, without streaming: a phase scores right only
+for the typed colour on the typed background, the typed tone and, for a still shape, the typed outline; the first
+phase's speed is the world's for a rendered motion."""
+import numpy as np
+import pytest
+
+from tools.train import judge, world
+from tools.train.sample import Look, Span, Stream
+
+pytestmark = pytest.mark.cpu
+
+RED_CIRCLE = ("circle", "red", "black", "still")
+
+
+def _look(colour=(220, 40, 40), background=(10, 10, 12), shape="circle", pitch=240.0) -> Look:
+    return Look(request=0, phase=1, colour=colour, background=background, centroid=(160.0, 96.0), coverage=0.1,
+                shape=shape, pitch_hz=pitch, balance_db=0.0)
+
+
+def test_a_phase_that_shows_and_sounds_what_was_typed_scores_right_on_every_figure():
+    assert judge.score(_look(), RED_CIRCLE) == judge.PhaseScore(0, 1, colour=True, tone=True, outline=True)
+
+
+@pytest.mark.parametrize("look, wrong", [
+    (_look(colour=(60, 110, 240)), "colour"),  # blue
+    (_look(background=(105, 105, 110)), "colour"),  # on grey
+    (_look(colour=(-1, -1, -1)), "colour"),  # no shape at all
+    (_look(pitch=440.0), "tone"),
+    (_look(shape="square"), "outline"),
+])
+def test_a_phase_scores_wrong_on_the_figure_it_misses_and_only_there(look, wrong):
+    scored = judge.score(look, RED_CIRCLE)
+    assert {f: getattr(scored, f) for f in ("colour", "tone", "outline")} == {
+        f: f != wrong for f in ("colour", "tone", "outline")}
+
+
+def test_a_moving_shapes_outline_is_not_scored():
+    assert judge.score(_look(shape="unclear"), ("circle", "red", "black", "left")).outline is None
+
+
+@pytest.mark.parametrize("motion", judge.MOTIONS)
+def test_the_first_phases_speed_of_a_rendered_motion_is_the_worlds(motion):
+    scene = world.Scene("circle", "red", "black", motion, 44.0, 160.0, 96.0)
+    frames = world.render_video(scene, 0, 34)
+    stream = Stream(frames, np.zeros((2, 1), np.float32), world.SAMPLE_RATE, [Span(0, 0, 0, 34)], None)
+    assert judge.first_phase_speed(stream, motion) == pytest.approx(judge.world_speed(motion), abs=0.05)
+    frames[10:] = frames[0, 0, 0]  # the shape gone after 10 of 34 frames: no speed
+    assert np.isnan(judge.first_phase_speed(stream, motion))
+
+
+def test_totals_count_the_still_pairs_and_the_moving_ones_apart():
+    right = dict(colour=True, tone=True, outline=True)
+    pairs = [dict(still=True, phases=[right, dict(right, tone=False)]),
+             dict(still=False, phases=[dict(right, outline=None), dict(right, colour=False, outline=None)])]
+    assert judge.totals(pairs) == {"still": {"colour": [2, 2], "tone": [1, 2], "outline": [2, 2]},
+                                   "moving": {"colour": [1, 2], "tone": [2, 2], "outline": [0, 0]}}

@@ -1,0 +1,140 @@
+"""How often a checkpoint tree shows and sounds what was typed: a fixed set of sessions streamed through the whole
+system, each phase scored, so that two trainings (or a retraining from scratch) compare in one table.
+
+    python -m tools.train.judge --tree models/tiny [--json figures.json]
+
+The sessions (`tools.train.sample` streams and measures each):
+
+- prompt pairs, the second applying from request 1, three requests each: five of still shapes and two of moving
+  ones. Every phase scores its colour (the shape's is the typed colour's nearest grammar colour, the background
+  within 20 of the typed one), its tone (the loudest frequency within 4 Hz of the typed colour's) and, for a still
+  shape, its outline (`sample.outline`);
+- a red circle moving left, right, up and down, one request each: the shape's speed along its axis over the first
+  phase (a line fitted to its centroid), against the world's.
+
+Prints a line a session and the totals; `--json` writes them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tools.train import world
+from tools.train.sample import Look, Stream, looks, nearest_colour, sample, shape_mask
+
+Grammar = tuple[str, str, str, str]
+"""(shape, colour, background, motion)"""
+
+PAIRS: tuple[tuple[Grammar, Grammar], ...] = (
+    (("circle", "red", "black", "still"), ("square", "yellow", "black", "still")),
+    (("square", "yellow", "grey", "still"), ("circle", "white", "grey", "still")),
+    (("circle", "white", "black", "still"), ("triangle", "purple", "black", "still")),
+    (("triangle", "red", "black", "still"), ("square", "green", "dark green", "still")),
+    (("square", "blue", "brown", "still"), ("circle", "red", "dark blue", "still")),
+    (("circle", "red", "dark blue", "left"), ("square", "blue", "dark blue", "right")),
+    (("triangle", "yellow", "black", "up"), ("circle", "white", "black", "bounce")),
+)
+MOTIONS = ("left", "right", "up", "down")
+REQUESTS = 3
+
+
+@dataclass(frozen=True)
+class PhaseScore:
+    request: int
+    phase: int
+    colour: bool
+    tone: bool
+    outline: bool | None
+    """None for a moving shape (its outline is not scored: a wrapping shape splits at the edge)."""
+
+
+def score(lk: Look, typed: Grammar) -> PhaseScore:
+    """Whether one phase shows the typed colour on the typed background, sounds its tone and draws its outline."""
+    shape, colour, background, motion = typed
+    name, _, _ = nearest_colour(lk.colour) if lk.colour != (-1, -1, -1) else ("", 0.0, 0.0)
+    on_background = np.abs(np.subtract(lk.background, world.BACKGROUNDS[background])).max() < 20
+    tone = abs(lk.pitch_hz - world.COLOUR_BY_NAME[colour].pitch_hz) < 4
+    outline = lk.shape == shape if motion == "still" else None
+    return PhaseScore(lk.request, lk.phase, bool(name == colour and on_background), bool(tone), outline)
+
+
+def first_phase_speed(stream: Stream, motion: str) -> float:
+    """px a frame along the motion's axis (x for left and right, y for up and down) over the first phase: the slope
+    of a line fitted to the shape's centroid, NaN where it shows in under 80% of the frames."""
+    first = stream.spans[0]
+    axis = 1 if motion in ("left", "right") else 0  # np.nonzero's index: rows are y, columns x
+    frames, where = [], []
+    for i in range(first.start, first.stop):
+        mask, _ = shape_mask(stream.frames[i])
+        if mask.sum() >= 20:
+            frames.append(i)
+            where.append(float(np.nonzero(mask)[axis].mean()))
+    if len(frames) < 0.8 * (first.stop - first.start):
+        return float("nan")
+    return float(np.polyfit(frames, where, 1)[0])
+
+
+def world_speed(motion: str) -> float:
+    """px a frame the world moves a shape along its axis (image y grows downwards)."""
+    speed = world.HORIZONTAL_SPEED if motion in ("left", "right") else world.VERTICAL_SPEED
+    return speed / world.FPS * (-1 if motion in ("left", "up") else 1)
+
+
+def caption(g: Grammar) -> str:
+    return world.opening_scene(*g).caption
+
+
+def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
+    """Stream every session of the set from `tree`; the per-phase scores, the speeds and the totals."""
+    pairs = []
+    for i, (before, after) in enumerate(PAIRS):
+        stream = sample(tree, caption(before), [(1, caption(after))], requests=REQUESTS, seed=0,
+                        service_log=str(log_dir / f"pair{i}.log"))
+        scores = [score(lk, before if lk.request == 0 else after) for lk in looks(stream)]
+        pairs.append(dict(before=caption(before), after=caption(after), still=before[3] == after[3] == "still",
+                          phases=[asdict(s) for s in scores]))
+        print(f"{caption(before)} -> {caption(after)}: colour {sum(s.colour for s in scores)}/{len(scores)}, "
+              f"tone {sum(s.tone for s in scores)}/{len(scores)}, outline "
+              f"{sum(bool(s.outline) for s in scores)}/{sum(s.outline is not None for s in scores)}", flush=True)
+    speeds = {}
+    for motion in MOTIONS:
+        stream = sample(tree, caption(("circle", "red", "black", motion)), [], requests=1, seed=0,
+                        service_log=str(log_dir / f"{motion}.log"))
+        speeds[motion] = dict(shown=first_phase_speed(stream, motion), world=world_speed(motion))
+        print(f"moving {motion}: {speeds[motion]['shown']:+.2f} px a frame (the world {world_speed(motion):+.2f})",
+              flush=True)
+    return dict(pairs=pairs, speeds=speeds, totals=totals(pairs))
+
+
+def totals(pairs: list[dict]) -> dict:
+    """[right, scored] of each figure over the phases of the still pairs, and of the moving ones."""
+    out = {}
+    for kind, still in (("still", True), ("moving", False)):
+        phases = [p for pair in pairs if pair["still"] == still for p in pair["phases"]]
+        out[kind] = {f: [sum(bool(p[f]) for p in phases), sum(p[f] is not None for p in phases)]
+                     for f in ("colour", "tone", "outline")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", type=pathlib.Path, required=True, help="a checkpoint tree (MiniMax-H3/, TaoMate-H3/)")
+    p.add_argument("--json", type=pathlib.Path)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="vitascope-judge-") as tmp:
+        figures = judge(args.tree, pathlib.Path(tmp))
+    for kind, parts in figures["totals"].items():
+        print(f"{kind}: " + ", ".join(f"{f} {right}/{n}" for f, (right, n) in parts.items()))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
