@@ -99,9 +99,10 @@ BEAT_HZ, FLUTTER_HZ = 2.0, 6.0
 THUMP_DECAY, THUMP_ATTACK = 0.12, 0.008  # s
 AMPLITUDE = 0.4  # peak of the tone before panning; the audio VAE's decoder clamps at 1
 SIZE_RANGE = (40.0, 56.0)
-"""Half-extent in px. At 26-40 px a circle and a square both came back from the trained VAE as the same square
-(IoU 0.84 and 0.88 against the two): their difference lies inside the corner cells of the 16 px latent grid. From
-about 48 px the corners are cells of their own, and the decode tells them apart (docs/training.md, "Shapes")."""
+"""Half-extent in px. At the 26-40 px of run C's world the trained VAE gave a circle back as a square (IoU 0.84
+against the square, 0.83 against the circle itself): their difference lies inside the corner cells of the 16 px
+latent grid. From about 48 px the corners are cells of their own, and the decode tells the shapes apart
+(docs/training.md, "Shapes")."""
 _MARGIN = 6.0  # px kept between a non-wrapping shape and the canvas edge
 # How far each shape reaches from its centre, per unit of size: (left/right, above, below).
 _REACH = {"circle": (1.0, 1.0, 1.0), "square": (0.9, 0.9, 0.9), "triangle": (1.25 * math.sqrt(3) / 2, 1.25, 0.625)}
