@@ -134,7 +134,7 @@ class Scene:
             raise ValueError(f"background={self.background!r}: use one of {sorted(BACKGROUNDS)}")
         if self.motion not in MOTION_BY_NAME:
             raise ValueError(f"motion={self.motion!r}: use one of {sorted(MOTION_BY_NAME)}")
-        side, above, below = (r * self.size for r in _REACH[self.shape])
+        side, above, below = self.reach
         if not (self.size > 0 and 2 * side < WIDTH / 2 and above + below + 2 * _MARGIN < HEIGHT):
             raise ValueError(f"size={self.size}: a {self.shape} must be narrower than half the canvas (so that the "
                              f"copies of a wrapping shape never overlap) and leave room to bounce; the world draws "
