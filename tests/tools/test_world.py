@@ -226,5 +226,5 @@ def test_a_shape_too_large_for_the_canvas_is_refused_and_a_smaller_world_s_size_
     # run C's world opened at 33 px, below today's SIZE_RANGE: its scenes still render, for the tests of its model
     frame = render_video(world.opening_scene("square", "red", "black", "still", size=33.0), 0, 1)[0]
     solid = np.all(frame == COLOUR_BY_NAME["red"].rgb, axis=-1)
-    assert solid.sum() == pytest.approx((2 * 0.9 * 33.0) ** 2, rel=0.05)
+    assert solid.sum() == pytest.approx((2 * 33.0) ** 2, rel=0.05)
     assert world.opening_scene("square", "red", "black", "still").size == world.OPENING_SIZE

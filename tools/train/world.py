@@ -105,7 +105,7 @@ latent grid. From about 48 px the corners are cells of their own, and the decode
 (docs/training.md, "Shapes")."""
 _MARGIN = 6.0  # px kept between a non-wrapping shape and the canvas edge
 # How far each shape reaches from its centre, per unit of size: (left/right, above, below).
-_REACH = {"circle": (1.0, 1.0, 1.0), "square": (0.9, 0.9, 0.9), "triangle": (1.25 * math.sqrt(3) / 2, 1.25, 0.625)}
+_REACH = {"circle": (1.0, 1.0, 1.0), "square": (1.0, 1.0, 1.0), "triangle": (1.25 * math.sqrt(3) / 2, 1.25, 0.625)}
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class Scene:
     background: str
     motion: str
     size: float
-    """Half-extent in px: the circle's radius; the square's half-side is 0.9x, the triangle's circumradius 1.25x."""
+    """Half-extent in px: the circle's radius; the square's half-side equals it, the triangle's circumradius 1.25x."""
     x0: float
     """Centre at t = 0 (px from the left edge; for a bounce, its x throughout)."""
     y0: float
@@ -222,7 +222,7 @@ def _signed_distance(scene: Scene, dx: np.ndarray, dy: np.ndarray) -> np.ndarray
     if scene.shape == "circle":
         return np.sqrt(dx * dx + dy * dy) - scene.size
     if scene.shape == "square":
-        return np.maximum(np.abs(dx), np.abs(dy)) - 0.9 * scene.size
+        return np.maximum(np.abs(dx), np.abs(dy)) - _REACH["square"][0] * scene.size
     inradius = 0.625 * scene.size  # half the 1.25x circumradius; the triangle points up (image y grows downwards)
     c, s = math.sqrt(3) / 2, 0.5
     return np.maximum(np.maximum(dy, c * dx - s * dy), -c * dx - s * dy) - inradius
