@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,13 @@ def test_a_student_asked_for_distinct_sessions_trains_on_that_many_and_its_sessi
     calls, _, log = _run(tmp_path, "second", FROM=str(first), JOINT_DISTINCT="4096", SESSIONS="16")
     assert _steps(calls) == ["student"] and "job exit 0" in log
     assert calls[0]["opts"]["--distinct"] == "4096" and calls[0]["opts"]["--sessions"] == "16"
+
+
+def test_a_collect_on_a_machine_with_no_job_says_so_at_once_instead_of_waiting(tmp_path):
+    # a machine that idled out between calls comes back bare: its collect must not spend the call's WAIT
+    env = {**os.environ, "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"), "WAIT": "600"}
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(SCRIPT), "collect"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3
+    assert "no job was started" in done.stderr
+    assert time.monotonic() - started < 30

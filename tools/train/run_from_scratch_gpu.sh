@@ -148,6 +148,8 @@ start)
     ;;
 collect)
     : "${OUT:?set OUT to the results directory}"
+    # a machine that idled out between calls comes back bare: say so at once instead of waiting WAIT for nothing
+    [ -f "$W/logs/job.log" ] || { echo "no job was started in $W on this machine: start one (FROM= what the last call returned)" >&2; exit 3; }
     now=$(date +%s)
     end=$(( now + ${WAIT:-0} )) stop_at=$(( now + ${STOP_AFTER:-0} )) stop=${STOP:-}
     [ "$stop" = all ] && stop="vae_video vae_audio base joint"
