@@ -21,7 +21,7 @@ ENCODER_ROOT = REPO / "models" / "tiny" / "MiniMax-H3"
 @pytest.fixture(scope="module")
 def cond_and_decoder():
     device = torch.device("cpu")
-    cond = Conditioner(VAE_ROOT, ENCODER_ROOT, device, opening_probe.FRAMES)
+    cond = Conditioner(VAE_ROOT, ENCODER_ROOT, device, opening_probe.LAYOUTS["phase"].num_frames)
     return cond, VideoDecoder(load_video_vae(VAE_ROOT, device), tile_overlap=64)
 
 
