@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.dit.model.layout import pack_layout
 from services.dit.model.lora import load_adapter
@@ -85,6 +86,53 @@ def test_batched_student_forwards_equal_the_runtimes_over_eight_phases(model):
             n += 1
             held = sum(kv[0].shape[1] for kv in student.retained(commits, audio_rows)[0])
             assert held == caches[0].live, f"after commit {n - 1}: the trainer holds {held} rows, the cache {caches[0].live}"
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # q: [Lq, H, D], k/v: [Lk, H, D] -> [Lq, H, D]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+
+
+def _sessions_attention_alone(text_lens, a, tv, history, q, k, v):
+    """The pattern one session at a time: its text over itself, its media rows over [its text | its history | its
+    media]; pad rows zero. Returns the output `[S, H, D]` and the media K/V `[B, M, H, D]` of every session."""
+    b, tt = len(text_lens), sum(text_lens)
+    out = torch.zeros_like(q)
+    media_k, media_v = [], []
+    start = 0
+    for i, n in enumerate(text_lens):
+        text = torch.arange(start, start + n)
+        start += n
+        media = torch.cat([torch.arange(tt + i * a, tt + (i + 1) * a),  # audio-L
+                           torch.arange(tt + (b + i) * a, tt + (b + i + 1) * a),  # audio-R
+                           torch.arange(tt + 2 * b * a + i * tv, tt + 2 * b * a + (i + 1) * tv)])  # video
+        out[text] = _attend(q[text], k[text], v[text])
+        keys = torch.cat([k[text]] + [hk[i] for hk, _ in history] + [k[media]])
+        values = torch.cat([v[text]] + [hv[i] for _, hv in history] + [v[media]])
+        out[media] = _attend(q[media], keys, values)
+        media_k.append(k[media])
+        media_v.append(v[media])
+    return out, (torch.stack(media_k), torch.stack(media_v))
+
+
+@pytest.mark.parametrize("commit", [False, True])
+@pytest.mark.parametrize("held", [(), (3, 5)], ids=["no history", "history"])
+def test_sessions_attention_equals_each_session_attending_alone(held, commit):
+    gen = torch.Generator().manual_seed(6)
+    text_lens, a, tv, h, d, layers = [5, 11, 2], 4, 6, 2, 8, 2
+    b = len(text_lens)
+    rows = student.session_rows(text_lens, a, tv, torch.device("cpu"))
+    assert rows.seq_len == 64 > sum(text_lens) + b * (2 * a + tv)  # pad rows too
+    history = [[(torch.randn(b, n, h, d, generator=gen), torch.randn(b, n, h, d, generator=gen)) for n in held]
+               for _ in range(layers)] if held else []
+    attention = student.SessionsAttention(rows, history, commit=commit)
+    for layer in range(layers):
+        q, k, v = torch.randn(rows.seq_len, 3, h, d, generator=gen).unbind(1)  # strided, as a block hands them in
+        want, kv = _sessions_attention_alone(text_lens, a, tv, history[layer] if held else [], q, k, v)
+        torch.testing.assert_close(attention(layer, q, k, v), want, atol=1e-5, rtol=0, msg=f"layer {layer}")
+        if commit:
+            torch.testing.assert_close(attention.committed[layer], kv, atol=0, rtol=0)
+    assert len(attention.committed) == (layers if commit else 0)
 
 
 def test_a_switched_session_changes_caption_at_request_one_and_keeps_the_shape_where_it_was():

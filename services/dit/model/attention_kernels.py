@@ -59,14 +59,15 @@ def prefer_attention_kernels(name: str) -> None:
 
 def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """Attention of q rows over k/v rows; keys where `key_valid` is False take no part."""
-    # q: [Sq, H, D], k/v: [Sk, H, D], key_valid: [Sk] bool -> [Sq, H, D]
+    """Attention of q rows over k/v rows; keys where `key_valid` is False take no part (`[Sk]`: for every row,
+    `[Sq, Sk]`: for each row its own)."""
+    # q: [Sq, H, D], k/v: [Sk, H, D], key_valid: [Sk] or [Sq, Sk] bool -> [Sq, H, D]
     if (_FLASH_ATTENTION_4 and key_valid is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[0] and k.shape[0] and not torch.compiler.is_compiling()):
         # [1, S, H, D] views (FlashAttention 4 needs only the last dim contiguous) -> out [1, Sq, H, D]
         return _FLASH_ATTENTION_4[0](q[None], k[None], v[None])[0][0]
     # 4-D [1, H, S, D] views (last dim contiguous) so the flash / memory-efficient kernels apply
-    mask = None if key_valid is None else key_valid[None, None, None, :]  # [1, 1, 1, Sk]
+    mask = None if key_valid is None else torch.atleast_2d(key_valid)[None, None]  # [1, 1, 1 or Sq, Sk]
     out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
                                          attn_mask=mask)
     return out.transpose(1, 2)[0]

@@ -232,7 +232,7 @@ class RefinerBlock(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
-        # x: [Tt, C]; key_valid: [Tt] bool or None
+        # x: [Tt, C]; key_valid: [Tt] or [Tt, Tt] bool, or None
         x = x + self.attn(self.norm1(x), lambda q, k, v: sdpa_rows(q, k, v, key_valid))
         return x + self.mlp(self.norm2(x))
 
@@ -244,7 +244,8 @@ class TokenRefiner(nn.Module):
         self.final_norm = RMSNorm(args.hidden_size, args.final_norm_eps)
 
     def forward(self, x: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [Tt, C]; key_valid: [Tt] bool, False on bucket padding (None: all rows real)
+        # x: [Tt, C]; key_valid: [Tt] bool, False on bucket padding (None: all rows real), or [Tt, Tt] bool, the keys
+        # of each row (several prompts packed, each over its own rows)
         for block in self.blocks:
             x = block(x, key_valid)
         return self.final_norm(x)
