@@ -277,6 +277,9 @@ def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_re
     state, adapter = student.train(cfg, base_dir, cond, tmp_path / "state")
     logged = [json.loads(line) for line in (tmp_path / "state" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2] and all(r["base"]["video"] or r["base"]["teacher"] for r in logged)
+    # each logged step says where its time went, part by part
+    assert all(set(r["timing"]) == {"sessions", "student_forward", "student_backward", "base", "optimizer"}
+               and all(t >= 0 for t in r["timing"].values()) and r["timing"]["student_forward"] > 0 for r in logged)
 
     lora_dir = student.export(state, adapter, tmp_path / "lora", tmp_path / "trained_base")
     before = load_dit(base_dir, PRESETS["tiny"], "cpu", torch.float32)

@@ -474,6 +474,24 @@ def base_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.replace(".base_layer.", "."): v for k, v in weights.items() if not is_lora(k)}
 
 
+class StepClock:
+    """Wall seconds of each part of one step, the device drained at every mark (so each part holds its own GPU
+    work); a clock made with `on=False` does nothing, so only the logged steps pay for the syncs."""
+
+    def __init__(self, device: torch.device, on: bool):
+        self.device, self.on, self.parts = device, on, {}
+        self.last = time.monotonic()
+
+    def mark(self, part: str) -> None:
+        if not self.on:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.monotonic()
+        self.parts[part] = round(now - self.last, 3)
+        self.last = now
+
+
 def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path) -> tuple[TrainState, LoRAAdapter]:
     device = cond.device
     model, adapter = build(base, device, cfg)
@@ -497,13 +515,17 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
     while True:
         for group in optimizer.param_groups:
             group["lr"] = group["peak"] * min(1.0, (state.step + 1) / cfg.warmup)
+        clock = StepClock(device, on=(state.step + 1) % cfg.log_every == 0)
         optimizer.zero_grad(set_to_none=True)
         batch = SessionBatch([encode_session(cond, next(clips)) for _ in range(cfg.sessions)], device)
         rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
         # drawn only when asked for, so runs without it keep the random stream they always had
         own = cfg.self_commit > 0 and bool(torch.rand((), generator=generator) < cfg.self_commit)
+        clock.mark("sessions")
         loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight, own)
+        clock.mark("student_forward")
         loss.total.backward()
+        clock.mark("student_backward")
         if base_clips is not None:
             with adapter.suspended():  # the base's own objective, LoRA off
                 set_trainable(model, True)
@@ -512,12 +534,14 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                 base_loss.backward()
                 base_window.extend(parts)
             set_trainable(model, True)
+            clock.mark("base")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(groups[0]["params"], 1.0))
         for group in groups[1:]:  # the base's gradients are clipped on their own scale
             torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
         optimizer.step()
         state.step += 1
         state.ema.update(model, state.step)
+        clock.mark("optimizer")
         elapsed = time.monotonic() - started
         state.seconds = seconds_before + elapsed
         window.append(loss.steps)
@@ -527,6 +551,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                           seconds=round(state.seconds, 1))
             if base_window:
                 record["base"] = window_means(base_window)
+            record["timing"] = clock.parts  # this step's alone
             with (state_dir / "log.jsonl").open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
             log.info("student step %d x0 %s%s", state.step, " ".join(f"{s:.4f}" for s in steps),
