@@ -15,16 +15,16 @@ from services.dit.stream.attention import StreamingAttention
 from services.dit.stream.geometry import plan_request
 from services.dit.stream.kv_cache import CleanAVKVCache, kv_capacity
 from services.dit.stream.schedule import model_t
-from tools.train import student, world
+from tools.train import session_batch, student, world
 
 pytestmark = pytest.mark.cpu
 
 LH, LW = 6, 8  # a 128x96 canvas: 12 video rows a latent
 
 
-def _session(gen: torch.Generator, text_lens: tuple[int, int]) -> student.Session:
+def _session(gen: torch.Generator, text_lens: tuple[int, int]) -> session_batch.Session:
     args = PRESETS["tiny"]
-    return student.Session(tuple(torch.randn(n, args.text_dim, generator=gen) for n in text_lens),
+    return session_batch.Session(tuple(torch.randn(n, args.text_dim, generator=gen) for n in text_lens),
                            torch.randn(72, args.video_channels, LH, LW, generator=gen),
                            torch.randn(2, 405, args.audio_channels, generator=gen))
 
@@ -60,7 +60,7 @@ def _runtime_phase(model, cache, sess, timeline, ph, xv, xa, sigma_v, sigma_a, c
 def test_batched_student_forwards_equal_the_runtimes_over_eight_phases(model):
     gen = torch.Generator().manual_seed(3)
     sessions = [_session(gen, (9, 12)), _session(gen, (14, 7))]
-    batch = student.SessionBatch(sessions, torch.device("cpu"))
+    batch = session_batch.SessionBatch(sessions, torch.device("cpu"))
     args = model.args
     caches = [CleanAVKVCache(args.num_layers, kv_capacity(batch.canvas, 32), args.num_heads, args.head_dim,
                              torch.float32, "cpu") for _ in sessions]
@@ -68,23 +68,23 @@ def test_batched_student_forwards_equal_the_runtimes_over_eight_phases(model):
     for k in range(student.REQUESTS):
         for ph in plan_request(k).phases:
             x0_v, x0_a = batch.clean(ph)
-            history = student.retained(commits, audio_rows)
+            history = session_batch.retained(commits, audio_rows)
             xv = torch.randn(x0_v.shape, generator=gen)
-            v, _ = student.forward(model, batch, ph, xv, x0_a, 0.9612, 0.8609, history, commit=False,
+            v, _ = session_batch.forward(model, batch, ph, xv, x0_a, 0.9612, 0.8609, history, commit=False,
                                    texts=batch.refined_texts(model, ph.request_index))
             for b, sess in enumerate(sessions):
                 want = _runtime_phase(model, caches[b], sess, batch.timelines[b], ph, xv[b], x0_a[b], 0.9612, 0.8609,
                                       commit=False)
                 torch.testing.assert_close(v[b], want, atol=2e-5, rtol=1e-4,
                                            msg=f"phase {k}.{ph.phase_index}, session {b}")
-            _, att = student.forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True,
+            _, att = session_batch.forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True,
                                      texts=batch.refined_texts(model, ph.request_index))
             for b, sess in enumerate(sessions):
                 _runtime_phase(model, caches[b], sess, batch.timelines[b], ph, x0_v[b], x0_a[b], 0.0, 0.0, commit=True)
             commits.append((n, att.committed))
             audio_rows.append(x0_a.shape[1])
             n += 1
-            held = sum(kv[0].shape[1] for kv in student.retained(commits, audio_rows)[0])
+            held = sum(kv[0].shape[1] for kv in session_batch.retained(commits, audio_rows)[0])
             assert held == caches[0].live, f"after commit {n - 1}: the trainer holds {held} rows, the cache {caches[0].live}"
 
 
@@ -121,11 +121,11 @@ def test_sessions_attention_equals_each_session_attending_alone(held, commit):
     gen = torch.Generator().manual_seed(6)
     text_lens, a, tv, h, d, layers = [5, 11, 2], 4, 6, 2, 8, 2
     b = len(text_lens)
-    rows = student.session_rows(text_lens, a, tv, torch.device("cpu"))
+    rows = session_batch.session_rows(text_lens, a, tv, torch.device("cpu"))
     assert rows.seq_len == 64 > sum(text_lens) + b * (2 * a + tv)  # pad rows too
     history = [[(torch.randn(b, n, h, d, generator=gen), torch.randn(b, n, h, d, generator=gen)) for n in held]
                for _ in range(layers)] if held else []
-    attention = student.SessionsAttention(rows, history, commit=commit)
+    attention = session_batch.SessionsAttention(rows, history, commit=commit)
     for layer in range(layers):
         q, k, v = torch.randn(rows.seq_len, 3, h, d, generator=gen).unbind(1)  # strided, as a block hands them in
         want, kv = _sessions_attention_alone(text_lens, a, tv, history[layer] if held else [], q, k, v)
@@ -163,7 +163,7 @@ def test_sessions_open_on_the_captions_own_scene():
 
 @torch.no_grad()
 def test_each_requests_first_phase_weighs_first_phase_weight_in_the_student_loss(model):
-    batch = student.SessionBatch([_session(torch.Generator().manual_seed(3), (9, 7))], torch.device("cpu"))
+    batch = session_batch.SessionBatch([_session(torch.Generator().manual_seed(3), (9, 7))], torch.device("cpu"))
     plain = student.session_loss(model, batch, torch.Generator().manual_seed(0), self_rollout=False)
     weighted = student.session_loss(model, batch, torch.Generator().manual_seed(0), self_rollout=False,
                                     first_phase_weight=4.0)
@@ -207,8 +207,8 @@ def test_a_self_committing_session_commits_its_own_output_renormalised_as_served
     gen = torch.Generator().manual_seed(4)
     switched = _session(gen, (9, 7))
     kept = _session(gen, (8, 8))
-    kept = student.Session((kept.texts[0], kept.texts[0]), kept.video, kept.audio)  # one prompt for both requests
-    batch = student.SessionBatch([switched, kept], torch.device("cpu"))
+    kept = session_batch.Session((kept.texts[0], kept.texts[0]), kept.video, kept.audio)  # one prompt for both requests
+    batch = session_batch.SessionBatch([switched, kept], torch.device("cpu"))
     phases = [ph for k in range(student.REQUESTS) for ph in plan_request(k).phases]
 
     clean, _ = _commits_and_outputs(model, batch, self_commit=False, monkeypatch=monkeypatch)
@@ -241,7 +241,7 @@ def test_training_lowers_the_student_loss_and_exports_a_loadable_adapter(model, 
     params = [p for p in m.parameters() if p.requires_grad]
     assert params and all("lora" in n for n, p in m.named_parameters() if p.requires_grad)
     opt = torch.optim.Adam(params, lr=3e-2)
-    batch = student.SessionBatch([_session(gen, (9, 9))], torch.device("cpu"))
+    batch = session_batch.SessionBatch([_session(gen, (9, 9))], torch.device("cpu"))
     losses = []
     for _ in range(12):
         opt.zero_grad()
@@ -296,16 +296,16 @@ def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_re
     served_lora = LoRAAdapter.load(served, lora_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(2)
     sess = _session(gen, (9, 9))
-    batch = student.SessionBatch([sess], torch.device("cpu"))
+    batch = session_batch.SessionBatch([sess], torch.device("cpu"))
     ph = plan_request(0).phases[0]
     xv, xa = batch.clean(ph)
     with torch.no_grad():
-        want, _ = student.forward(reference, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
+        want, _ = session_batch.forward(reference, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
                                   texts=batch.refined_texts(reference, ph.request_index))
-        got, _ = student.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
+        got, _ = session_batch.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
                                  texts=batch.refined_texts(served, ph.request_index))
         with served_lora.suspended():
-            base_out, _ = student.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
+            base_out, _ = session_batch.forward(served, batch, ph, xv, xa, 1.0, 1.0, [], commit=False,
                                           texts=batch.refined_texts(served, ph.request_index))
     torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
     assert (got - base_out).abs().max() > 1e-4  # the adapter is not a no-op on the exported base

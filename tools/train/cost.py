@@ -1,6 +1,6 @@
 """What a training step computes, counted on the CPU: the figures behind the job's caches and packed forwards.
 
-    python -m tools.train.cost [--json out.json]
+    python -m tools.train.cost [--student-sessions 2] [--json out.json]
 
 Prints, with torch's FLOP counter and a dispatch hook (device-independent counts; random weights at the trained
 dims, since what is counted does not depend on the values):
@@ -8,7 +8,8 @@ dims, since what is counted does not depend on the values):
 - the audio VAE's encode of one mono window;
 - the matmul FLOPs of the tiny DiT's forward and backward on one 124-frame clip (attention not counted);
 - the operations one base step of 8 examples dispatches, packed in one forward and as 8 forwards;
-- the operations one student step of 2 sessions dispatches (its 32 forwards and the backward);
+- the operations one student step of `--student-sessions` sessions dispatches (its 32 forwards and the backward;
+  the GPU runs train 16);
 - the time `teacher_layout` takes to build one teacher step's layout (the served teacher builds the same).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from services.dit.model.network import PRESETS, build_random
-from tools.train import student, vae, world
+from tools.train import session_batch, student, vae, world
 from tools.train.dit import REQUEST_FRAMES, audio_latents
 from tools.train.documents import Example, TeacherExample, document, document_losses, tail_latents, teacher_layout
 
@@ -79,7 +80,7 @@ def _step_ops(model, examples, packed: bool) -> int:
     return ops.count
 
 
-def measure() -> dict[str, float]:
+def measure(student_sessions: int = 2) -> dict[str, float]:
     torch.manual_seed(0)
     video_vae, audio_vae = vae.build("video", "trained").eval(), vae.build("audio", "trained").eval()
     window = vae.to_model_space(torch.from_numpy(world.make_clip(3, vae.VIDEO_WINDOW_FRAMES).video)[None])
@@ -103,13 +104,14 @@ def measure() -> dict[str, float]:
     figures["base_step_ops_packed"] = _step_ops(model, examples, packed=True)
     figures["base_step_ops_separate"] = _step_ops(model, examples, packed=False)
     gen = torch.Generator().manual_seed(1)
-    sessions = [student.Session(tuple(torch.randn(TEXT_ROWS, PRESETS["tiny"].text_dim, generator=gen)
-                                      for _ in range(student.REQUESTS)),
-                                torch.randn(72, 24, 12, 20, generator=gen), torch.randn(2, 405, 32, generator=gen))
-                for _ in range(2)]
+    sessions = [session_batch.Session(tuple(torch.randn(TEXT_ROWS, PRESETS["tiny"].text_dim, generator=gen)
+                                            for _ in range(student.REQUESTS)),
+                                      torch.randn(72, 24, 12, 20, generator=gen),
+                                      torch.randn(2, 405, 32, generator=gen))
+                for _ in range(student_sessions)]
     student.student_adapter(model, rank=32, seed=0)
     with _Ops() as ops:
-        loss = student.session_loss(model, student.SessionBatch(sessions, torch.device("cpu")),
+        loss = student.session_loss(model, session_batch.SessionBatch(sessions, torch.device("cpu")),
                                     torch.Generator().manual_seed(0), self_rollout=False)
         loss.total.backward()
     figures["student_step_ops"] = ops.count
@@ -125,9 +127,10 @@ def measure() -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--student-sessions", type=int, default=2, help="sessions of the counted student step")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-    figures = measure()
+    figures = measure(args.student_sessions)
     for name, value in figures.items():
         print(f"{name:32s} {value:12.2f}")
     if args.json:

@@ -38,7 +38,7 @@ from services.vae.model import VideoDecoder
 from tools.train import world
 from tools.train.dit import Conditioner
 from tools.train.sample import nearest_colour, outline, shape_mask
-from tools.train.student import Session, SessionBatch, forward
+from tools.train.session_batch import Session, SessionBatch, forward
 from tools.train.vae import HOP
 
 log = logging.getLogger("tools.train.opening_probe")

@@ -40,18 +40,16 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from services.dit.model.checkpoint import load_dit, write_trained_checkpoint
-from services.dit.model.layout import PackedLayout, pack_layout, padded_rows
 from services.dit.model.lora import AdapterSpec, LoRAAdapter, lora_targets, write_adapter
 from services.dit.model.network import PRESETS, DiT
-from services.dit.stream.geometry import Canvas, PhasePlan, plan_request, request_latent_start
-from services.dit.stream.runtime import patchify, renormalise
-from services.dit.stream.schedule import (AUDIO_SIGMAS, TEACHER_MILESTONES, TEACHER_SIGMAS, VIDEO_SIGMAS, euler_step,
-                                          model_t)
-from services.dit.stream.timeline import Timeline
+from services.dit.stream.geometry import PhasePlan, plan_request
+from services.dit.stream.runtime import renormalise
+from services.dit.stream.schedule import AUDIO_SIGMAS, TEACHER_MILESTONES, TEACHER_SIGMAS, VIDEO_SIGMAS, euler_step
 from tools.train import world
 from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner
 from tools.train.documents import document, document_losses, window_means
-from tools.train.train_state import EMA, TrainState, run_over
+from tools.train.session_batch import Session, SessionBatch, forward, retained
+from tools.train.train_state import EMA, StepClock, TrainState, run_over
 from tools.train.vae import HOP, IndexRange
 
 log = logging.getLogger("tools.train.student")
@@ -117,18 +115,6 @@ class Sessions(Dataset):
         return render_session(STUDENT_SEED + (i % self.distinct if self.distinct else i), self.switch)
 
 
-@dataclass(frozen=True)
-class Session:
-    """One session as the DiT sees it."""
-
-    texts: tuple[torch.Tensor, ...]
-    """Per request, [L, text_dim] layer hidden states of its prompt."""
-    video: torch.Tensor
-    """[72, 24, h, w] normalised video latents."""
-    audio: torch.Tensor
-    """[2, 405, 32] normalised audio latents (left, right)."""
-
-
 def encode_session(cond: Conditioner, clip: SessionClip) -> Session:
     """The frozen VAE encoders and text encoder on a rendered session (the base trainer's `Conditioner`, which
     keeps it when it caches)."""
@@ -136,174 +122,6 @@ def encode_session(cond: Conditioner, clip: SessionClip) -> Session:
         tuple(cond.encode_caption(c) for c in clip.captions),
         cond.encode_frames(clip.frames),  # [72, C, h, w]
         cond.encode_wave(clip.wave)))  # [2, 405, 32]
-
-
-@dataclass(frozen=True)
-class SessionRows:
-    """Where the rows of B sessions sit in one packed document `[texts | audio-L | audio-R | video | pad]`
-    (session-major inside each block), as the indices `SessionsAttention` gathers and scatters them by."""
-
-    seq_len: int
-    """S: the document's rows, padding included."""
-    text_index: torch.Tensor
-    """[B, Lmax] int64 packed row of each session's text rows; row 0 past a text's end."""
-    text_valid: torch.Tensor
-    """[B, Lmax] bool, False past a text's end."""
-    media_index: torch.Tensor
-    """[B, M] int64 packed rows of each session's media: its audio-L, audio-R, then video rows (M = 2A + Tv)."""
-    order: torch.Tensor
-    """[S] int64: the row of [text outputs `[B * Lmax]` | media outputs `[B * M]` | a zero row] each packed row
-    takes (the inverse of the two gathers; pad rows take the zero row)."""
-
-
-def session_rows(text_lens: list[int], audio_len: int, video_len: int, device: torch.device) -> SessionRows:
-    """The rows of B sessions of `text_lens` text rows, `audio_len` audio rows a channel and `video_len` video rows
-    each."""
-    b, a, tv = len(text_lens), audio_len, video_len
-    lens = torch.tensor(text_lens)
-    lmax, tt, m = max(text_lens), sum(text_lens), 2 * a + tv
-    col = torch.arange(lmax)
-    text_valid = col < lens[:, None]  # [B, Lmax]
-    text_index = torch.where(text_valid, (lens.cumsum(0) - lens)[:, None] + col, 0)
-    session = torch.arange(b)[:, None]  # [B, 1]
-    media_index = torch.cat([tt + session * a + torch.arange(a),  # audio-L
-                             tt + b * a + session * a + torch.arange(a),  # audio-R
-                             tt + 2 * b * a + session * tv + torch.arange(tv)], dim=1)  # video -> [B, M]
-    seq_len = padded_rows(tt + b * m)
-    order = torch.full((seq_len,), b * (lmax + m))
-    order[text_index[text_valid]] = torch.arange(b * lmax)[text_valid.flatten()]
-    order[media_index.flatten()] = b * lmax + torch.arange(b * m)
-    return SessionRows(seq_len, text_index.to(device), text_valid.to(device), media_index.to(device),
-                       order.to(device))
-
-
-class SessionsAttention:
-    """The streaming pattern for B sessions packed in one document (`SessionRows`): each text attends to itself;
-    each session's media rows to [its text | its history | its media rows]. With `commit`, each layer's media K/V
-    `[B, M, H, D]` (rows: audio-L, audio-R, video) are kept in `committed`."""
-
-    def __init__(self, rows: SessionRows, history: list[list[tuple[torch.Tensor, torch.Tensor]]], commit: bool):
-        self.rows, self.history, self.commit = rows, history, commit  # history[layer]: [(k, v) [B, n, H, D], ...]
-        self.committed: list[tuple[torch.Tensor, torch.Tensor]] = []
-        valid = rows.text_valid  # [B, Lmax]
-        held = sum(k.shape[1] for k, _ in history[0]) if history else 0  # n: history rows of a session
-        keys = torch.cat([valid, valid.new_ones(valid.shape[0], held + rows.media_index.shape[1])], dim=1)
-        self.text_mask = valid[:, None, None, :]  # [B, 1, 1, Lmax]
-        self.media_mask = keys[:, None, None, :]  # [B, 1, 1, Lmax + n + M]
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q, k, v: [S, H, D]
-        rows = self.rows
-        if q.shape[0] != rows.seq_len:
-            raise ValueError(f"SessionsAttention built for {rows.seq_len} rows got q with {q.shape[0]} rows")
-        qt, kt, vt = (x[rows.text_index].transpose(1, 2) for x in (q, k, v))  # [B, H, Lmax, D]
-        out_t = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=self.text_mask)  # each text over itself
-        qm, km, vm = (x[rows.media_index] for x in (q, k, v))  # [B, M, H, D]
-        if self.commit:
-            self.committed.append((km, vm))
-        hist = self.history[layer] if self.history else []
-        keys = torch.cat([kt.transpose(1, 2)] + [h[0] for h in hist] + [km], dim=1)  # [B, Lmax + n + M, H, D]
-        values = torch.cat([vt.transpose(1, 2)] + [h[1] for h in hist] + [vm], dim=1)
-        out_m = F.scaled_dot_product_attention(qm.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                               attn_mask=self.media_mask)  # [B, H, M, D]
-        parts = [out_t.transpose(1, 2).flatten(0, 1), out_m.transpose(1, 2).flatten(0, 1),
-                 q.new_zeros(1, *q.shape[1:])]  # [B * Lmax + B * M + 1, H, D]
-        return torch.cat(parts)[rows.order]  # [S, H, D]
-
-
-def retained(commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]], audio_rows: list[int]
-             ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per layer, the history the KV cache holds after `len(commits)` commits: all of them up to 2; from 3 on,
-    commit 0's video rows (the sink) and the 2 newest whole. `audio_rows[i]`: commit i's audio rows (both
-    channels)."""
-    if not commits:
-        return []
-    n, layers = len(commits), len(commits[0][1])
-    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
-    for i, (index, per_layer) in enumerate(commits):
-        if n > 2 and index == 0:
-            cut = audio_rows[0]
-            for layer, (k, v) in enumerate(per_layer):
-                out[layer].append((k[:, cut:], v[:, cut:]))
-        elif i >= n - 2:
-            for layer, kv in enumerate(per_layer):
-                out[layer].append(kv)
-    return out
-
-
-class SessionBatch:
-    """B encoded sessions on one canvas; builds the packed document of any phase and step."""
-
-    def __init__(self, sessions: list[Session], device: torch.device):
-        self.sessions, self.device = sessions, device
-        _, _, lh, lw = sessions[0].video.shape
-        self.canvas = Canvas(width=lw * 16, height=lh * 16)
-        self.timelines = [Timeline(self.canvas, origin=float(s.texts[0].shape[0])) for s in sessions]
-        self.video = torch.stack([s.video for s in sessions]).to(device)  # [B, 72, 24, h, w]
-        self.audio = torch.stack([s.audio for s in sessions]).to(device)  # [B, 2, 405, 32]
-        self._phases: dict[tuple[int, int], tuple[dict, SessionRows]] = {}
-
-    def refined_texts(self, model: DiT, k: int) -> torch.Tensor:
-        """Request `k`'s text rows of every session, packed `[sum L_b, C]`, through the condition projection and the
-        token refiner, each prompt attending to its own rows. Neither sees the phase, the step or the noise level, so
-        one loss computes them once a request and all of the request's forwards share them (their gradients add up
-        there)."""
-        lens = torch.tensor([s.texts[k].shape[0] for s in self.sessions])
-        owner = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [Tt] session of each row
-        own_prompt = (owner[:, None] == owner[None, :]).to(self.device)  # [Tt, Tt]
-        texts = torch.cat([s.texts[k] for s in self.sessions]).to(self.device)  # [Tt, text_dim]
-        return model.token_refiner(model.condition_proj(texts), own_prompt)
-
-    def clean(self, ph: PhasePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clean video rows `[B, Tv, 96]` and audio rows `[B, 2A, 32]` (L rows then R rows) of phase `ph`."""
-        first = request_latent_start(ph.request_index) + ph.latent_offset
-        b = len(self.sessions)
-        video = patchify(self.video[:, first:first + ph.num_latents].flatten(0, 1)).unflatten(0, (b, -1))
-        audio = self.audio[:, :, ph.audio_start:ph.audio_start + ph.num_audio_latents].flatten(1, 2)
-        return video, audio
-
-    def phase(self, ph: PhasePlan) -> tuple[dict, SessionRows]:
-        """What the packed documents of phase `ph` share whatever the step: `pack_layout`'s row counts and positions,
-        and the sessions' rows; built once a phase."""
-        key = (ph.request_index, ph.phase_index)
-        if key not in self._phases:
-            k, a = ph.request_index, ph.num_audio_latents
-            lens = [s.texts[k].shape[0] for s in self.sessions]
-            aud = [tl.audio(ph.audio_start, a) for tl in self.timelines]  # each [2A, 3]: L then R
-            pos_v = torch.cat([tl.video(ph) for tl in self.timelines])
-            document = dict(text_len=sum(lens), audio_len_per_channel=len(lens) * a, video_rows=pos_v.shape[0],
-                            positions_text=torch.cat([tl.text(k, n) for tl, n in zip(self.timelines, lens)]),
-                            positions_audio=torch.cat([p[:a] for p in aud] + [p[a:] for p in aud]),
-                            positions_video=pos_v)
-            self._phases[key] = document, session_rows(lens, a, pos_v.shape[0] // len(lens), self.device)
-        return self._phases[key]
-
-    def layout(self, ph: PhasePlan, sigma_v: float, sigma_a: float) -> tuple[PackedLayout, SessionRows]:
-        """The packed layout of phase `ph` for every session at (sigma_v, sigma_a), text at the video's t, and the
-        sessions' rows in it."""
-        document, rows = self.phase(ph)
-        layout = pack_layout(**document, video_t=model_t(sigma_v), audio_t=model_t(sigma_a))
-        return layout.to(self.device), rows
-
-
-def forward(model: DiT, batch: SessionBatch, ph: PhasePlan, video: torch.Tensor, audio: torch.Tensor,
-            sigma_v: float, sigma_a: float, history, commit: bool, texts: torch.Tensor):
-    """One student (or commit) forward of phase `ph` for the batch: video velocity `[B, Tv, 96]` (None for a
-    commit) and the attention (its `committed` K/V after a commit). `texts`: the request's refined texts, packed
-    `[sum L_b, C]` (`SessionBatch.refined_texts`)."""
-    # video: [B, Tv, 96], audio: [B, 2A, 32] (L rows then R rows per session)
-    layout, rows = batch.layout(ph, sigma_v, sigma_a)
-    b, tv, a = video.shape[0], video.shape[1], ph.num_audio_latents
-    rows_a = model.audio_patch_proj(torch.cat([audio[:, :a].flatten(0, 1), audio[:, a:].flatten(0, 1)]))
-    rows_v = model.video_patch_proj(video.flatten(0, 1))
-    pad = layout.seq_len - layout.num_real
-    x = torch.cat([texts, rows_a, rows_v, rows_v.new_zeros(pad, rows_v.shape[1])])  # [S, C]
-    attention = SessionsAttention(rows, history, commit)
-    x = model.run_blocks(x, layout, attention, range(len(model.blocks)))
-    if commit:
-        return None, attention
-    v_video, _ = model.head(x, layout)
-    return v_video.unflatten(0, (b, tv)), attention
 
 
 @dataclass(frozen=True)
@@ -472,24 +290,6 @@ def param_groups(model: DiT, cfg: StudentRunConfig) -> list[dict]:
 def base_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base model's own state dict from that of the model with the LoRA installed (peft's `base_layer` names)."""
     return {k.replace(".base_layer.", "."): v for k, v in weights.items() if not is_lora(k)}
-
-
-class StepClock:
-    """Wall seconds of each part of one step, the device drained at every mark (so each part holds its own GPU
-    work); a clock made with `on=False` does nothing, so only the logged steps pay for the syncs."""
-
-    def __init__(self, device: torch.device, on: bool):
-        self.device, self.on, self.parts = device, on, {}
-        self.last = time.monotonic()
-
-    def mark(self, part: str) -> None:
-        if not self.on:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.monotonic()
-        self.parts[part] = round(now - self.last, 3)
-        self.last = now
 
 
 def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path) -> tuple[TrainState, LoRAAdapter]:

@@ -1,4 +1,5 @@
-"""Resumable training state: the model, its EMA, the optimizer, the step and every RNG, in one file per run.
+"""Resumable training state: the model, its EMA, the optimizer, the step and every RNG, in one file per run; and
+`StepClock`, where a logged step's time went.
 
 Knows nothing about what is trained. `save` writes `<dir>/state.pt` atomically (a temporary file renamed over the
 old one, so a run killed mid-write leaves the previous state intact); `load` restores it, RNGs included, so a run
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,3 +126,21 @@ class TrainState:
         set_rng_state(saved["rng"])
         log.info("resumed step %d (%.0f s trained) from %s", self.step, self.seconds, path)
         return saved["meta"]
+
+
+class StepClock:
+    """Wall seconds of each part of one step, the device drained at every mark (so each part holds its own GPU
+    work); a clock made with `on=False` does nothing, so only the logged steps pay for the syncs."""
+
+    def __init__(self, device: torch.device, on: bool):
+        self.device, self.on, self.parts = device, on, {}
+        self.last = time.monotonic()
+
+    def mark(self, part: str) -> None:
+        if not self.on:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.monotonic()
+        self.parts[part] = round(now - self.last, 3)
+        self.last = now
