@@ -15,6 +15,7 @@ from services.dit.stream.attention import StreamingAttention
 from services.dit.stream.geometry import plan_request
 from services.dit.stream.kv_cache import CleanAVKVCache, kv_capacity
 from services.dit.stream.schedule import model_t
+from services.dit.stream.timeline import Timeline
 from tools.train import session_batch, student, world
 
 pytestmark = pytest.mark.cpu
@@ -86,6 +87,75 @@ def test_batched_student_forwards_equal_the_runtimes_over_eight_phases(model):
             n += 1
             held = sum(kv[0].shape[1] for kv in session_batch.retained(commits, audio_rows)[0])
             assert held == caches[0].live, f"after commit {n - 1}: the trainer holds {held} rows, the cache {caches[0].live}"
+
+
+def _commit(model, batch, phases):
+    """Commit the clean latents of `phases` in order, each over the history retained before it: the commits and
+    each commit's audio rows, as `retained` takes them."""
+    commits, audio_rows = [], []
+    for n, ph in enumerate(phases):
+        x0_v, x0_a = batch.clean(ph)
+        history = session_batch.retained(commits, audio_rows)
+        _, att = session_batch.forward(model, batch, ph, x0_v, x0_a, 0.0, 0.0, history, commit=True,
+                                       texts=batch.refined_texts(model, ph.request_index))
+        commits.append((n, att.committed))
+        audio_rows.append(x0_a.shape[1])
+    return commits, audio_rows
+
+
+@torch.no_grad()
+def test_a_sink_moved_back_equals_a_sink_committed_that_much_earlier(model):
+    gen = torch.Generator().manual_seed(8)
+    sessions = [_session(gen, (9, 12)), _session(gen, (14, 7))]
+    batch = session_batch.SessionBatch(sessions, torch.device("cpu"))
+    gaps = torch.tensor([700.0, 1900.0])
+    commits, audio_rows = _commit(model, batch, plan_request(0).phases[:3])  # 3 commits: commit 0 is the sink
+    held = session_batch.retained(commits, audio_rows)
+    moved = session_batch.retained(commits, audio_rows, sink_turn=batch.sink_turn(model, gaps))
+
+    earlier = session_batch.SessionBatch(sessions, torch.device("cpu"))
+    earlier.timelines = [Timeline(earlier.canvas, origin=tl.origin - g)
+                         for tl, g in zip(batch.timelines, gaps.tolist(), strict=True)]
+    [(_, early)], _ = _commit(model, earlier, plan_request(0).phases[:1])
+    cut = audio_rows[0]  # a commit's rows: its audio (both channels), then its video
+    for layer, (k_early, v_early) in enumerate(early):
+        (sink_k, sink_v), *recent = moved[layer]
+        # float32 angles at ~2,000 units are good to ~1e-4 rad; unturned keys are off by ~7
+        torch.testing.assert_close(sink_k, k_early[:, cut:], atol=5e-4, rtol=1e-4, msg=f"layer {layer}")
+        torch.testing.assert_close(sink_v, v_early[:, cut:], atol=1e-4, rtol=1e-4, msg=f"layer {layer}")
+        assert torch.equal(sink_v, held[layer][0][1])  # the values stay as committed
+        assert all(torch.equal(a, b) for kv, held_kv in zip(recent, held[layer][1:], strict=True)
+                   for a, b in zip(kv, held_kv))
+        assert (sink_k - held[layer][0][0]).abs().amax() > 0.1  # the keys did turn
+
+
+@torch.no_grad()
+def test_the_student_loss_moves_each_phases_sink_by_its_gaps_and_zero_gaps_change_nothing(model, monkeypatch):
+    batch = session_batch.SessionBatch([_session(torch.Generator().manual_seed(9), (9, 7))], torch.device("cpu"))
+    gaps = torch.tensor([900.0])
+    turns, retained = [], student.retained
+
+    def recording_retained(commits, audio_rows, sink_turn=None):
+        turns.append(sink_turn)
+        return retained(commits, audio_rows, sink_turn)
+
+    monkeypatch.setattr(student, "retained", recording_retained)
+    student.session_loss(model, batch, torch.Generator().manual_seed(0), self_rollout=False, sink_gaps=gaps)
+    monkeypatch.undo()
+    cos, sin = batch.sink_turn(model, gaps)
+    assert len(turns) == 8 and all(torch.equal(c, cos) and torch.equal(s, sin) for c, s in turns)
+
+    plain = student.session_loss(model, batch, torch.Generator().manual_seed(0), self_rollout=False)
+    zero = student.session_loss(model, batch, torch.Generator().manual_seed(0), self_rollout=False,
+                                sink_gaps=torch.zeros(1))
+    assert torch.equal(zero.total, plain.total) and zero.phases == plain.phases
+
+
+def test_sink_gaps_are_zero_for_about_half_the_sessions_and_uniform_up_to_the_most_for_the_rest():
+    gaps = student.draw_sink_gaps(4000, 300.0, torch.Generator().manual_seed(0))
+    far = gaps[gaps > 0]
+    assert 0.45 < far.numel() / gaps.numel() < 0.55
+    assert far.max() <= 300.0 and abs(far.mean().item() - 150.0) < 10.0
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

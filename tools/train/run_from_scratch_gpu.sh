@@ -29,9 +29,10 @@
 # $W/progress names the last stage begun; $W/done holds the job's exit status when it ends. Knobs: PY, BASE_LR,
 # BASE_ACCUM, LR (the student's), SESSIONS, SWITCH (the student's prompt switches, a fraction of its sessions),
 # FIRST_WEIGHT (the weight of each request's first phase in the student's loss), SELF_COMMIT (the fraction of the
-# student's steps that commit its own output, as served, instead of the clean latents), JOINT_DISTINCT (the student
-# trains on that many sessions, each encoded once and kept on the GPU, and its base part on as many seeds; unset:
-# every session new, encoded at every step),
+# student's steps that commit its own output, as served, instead of the clean latents), SINK_GAP (the most time
+# units, 40 a second, by which the student's sink moves back, as later requests see it; 0: never), JOINT_DISTINCT
+# (the student trains on that many sessions, each encoded once and kept on the GPU, and its base part on as many
+# seeds; unset: every session new, encoded at every step),
 # VIDEO_BATCH, AUDIO_BATCH, *_WORKERS (small values make a CPU smoke run).
 set -uo pipefail
 : "${W:?set W to the work directory}"
@@ -105,7 +106,8 @@ job() {
     "$PY" -m tools.train.student --base "$W/export/base_stage2/FL2VA/transformer" --vae-root "$vae_root" \
         --encoder-root "$ENCODER_ROOT" --state "$W/state/joint" --minutes "${JOINT_MIN:-8.5}" \
         --sessions "${SESSIONS:-8}" --switch "${SWITCH:-0.35}" \
-        --first-phase-weight "${FIRST_WEIGHT:-1}" --self-commit "${SELF_COMMIT:-0}" --lr "${LR:-1e-3}" --workers "${JOINT_WORKERS:-10}" \
+        --first-phase-weight "${FIRST_WEIGHT:-1}" --self-commit "${SELF_COMMIT:-0}" \
+        --sink-gap "${SINK_GAP:-0}" --lr "${LR:-1e-3}" --workers "${JOINT_WORKERS:-10}" \
         --log-every 5 --save-every 25 --train-base --openings "${JOINT_OPENINGS:-0.75}" --export "$W/export/lora" \
         --export-base "$W/export/base" "${sessions[@]}" > "$W/logs/joint.log" 2>&1 || { decoders; return 1; }
     decoders || return 1

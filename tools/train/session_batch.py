@@ -3,9 +3,9 @@
 The rows of every session share one packed document `[texts | audio-L | audio-R | video | pad]` (session-major
 inside each block): `session_rows` says where each session's rows sit, `SessionsAttention` lets each text attend to
 itself and each session's media to [its text | its history | its media], `retained` is the KV cache's retention
-over the commits so far, and `SessionBatch` builds the document of any phase and step, whose `forward` runs the
-model on it. The student trainer (`tools.train.student`) computes its loss over these forwards; the opening probe
-reads a base through them.
+over the commits so far (its sink optionally `moved_back` in time), and `SessionBatch` builds the document of any
+phase and step, whose `forward` runs the model on it. The student trainer (`tools.train.student`) computes its
+loss over these forwards; the opening probe reads a base through them.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.dit.model.fused import apply_rope
 from services.dit.model.layout import PackedLayout, pack_layout, padded_rows
 from services.dit.model.network import DiT
 from services.dit.stream.geometry import Canvas, PhasePlan, request_latent_start
@@ -107,11 +108,22 @@ class SessionsAttention:
         return torch.cat(parts)[rows.order]  # [S, H, D]
 
 
-def retained(commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]], audio_rows: list[int]
+def moved_back(keys: torch.Tensor, turn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Keys (RoPE applied) as a forward placed G_b units earlier on the time axis would have made them: each
+    session's turned by the RoPE angles of positions (-G_b, 0, 0) (`SessionBatch.sink_turn`)."""
+    # keys: [B, n, H, D]; cos, sin: [B, R]
+    cos, sin = (c.to(keys.dtype) for c in turn)
+    b, n, h, d = keys.shape
+    return apply_rope(keys.reshape(b, n * h, d), cos, sin).reshape(b, n, h, d)  # [B, n * H, D] -> [B, n, H, D]
+
+
+def retained(commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]], audio_rows: list[int],
+             sink_turn: tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per layer, the history the KV cache holds after `len(commits)` commits: all of them up to 2; from 3 on,
     commit 0's video rows (the sink) and the 2 newest whole. `audio_rows[i]`: commit i's audio rows (both
-    channels)."""
+    channels). With `sink_turn` (`SessionBatch.sink_turn`), the sink's keys are `moved_back` as if commit 0 had
+    been made that much earlier; its values stay."""
     if not commits:
         return []
     n, layers = len(commits), len(commits[0][1])
@@ -120,7 +132,8 @@ def retained(commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]],
         if n > 2 and index == 0:
             cut = audio_rows[0]
             for layer, (k, v) in enumerate(per_layer):
-                out[layer].append((k[:, cut:], v[:, cut:]))
+                sink = k[:, cut:] if sink_turn is None else moved_back(k[:, cut:], sink_turn)
+                out[layer].append((sink, v[:, cut:]))
         elif i >= n - 2:
             for layer, kv in enumerate(per_layer):
                 out[layer].append(kv)
@@ -173,6 +186,14 @@ class SessionBatch:
                             positions_video=pos_v)
             self._phases[key] = document, session_rows(lens, a, pos_v.shape[0] // len(lens), self.device)
         return self._phases[key]
+
+    def sink_turn(self, model: DiT, gaps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE (cos, sin) `[B, R]` that moves each session's sink back by its gap `gaps[b]` time units
+        (`retained`): `model.rope` of positions (-gap, 0, 0)."""
+        # gaps: [B]
+        positions = torch.zeros(gaps.shape[0], 3, device=self.device)  # [B, 3]: t, h, w
+        positions[:, 0] = -gaps.to(self.device)
+        return model.rope(positions)
 
     def layout(self, ph: PhasePlan, sigma_v: float, sigma_a: float) -> tuple[PackedLayout, SessionRows]:
         """The packed layout of phase `ph` for every session at (sigma_v, sigma_a), text at the video's t, and the

@@ -19,6 +19,8 @@ what the runtime (`services.dit.stream.runtime`) asks of the student, forward fo
   probability `--self-rollout`, the Euler state the student's own earlier steps reached (as served). The loss is the
   x0 error of every step's prediction (x0_hat = x + sigma v) against the clean latents; the commits carry gradients
   through the history's K/V.
+- With `--sink-gap U`, each session of a step keeps its sink where it was committed with probability 1/2, else
+  its sink's keys turn back a uniform 0..U time units: the distance to the sink of a served session's later requests.
 
 Several sessions run side by side in each forward (`--sessions`): their rows share one packed document, each
 session attending to its own rows only (in the token refiner too). Resumable like the other trainers; session i of a
@@ -135,7 +137,8 @@ class StudentLoss:
 
 
 def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, self_rollout: bool,
-                 first_phase_weight: float = 1.0, self_commit: bool = False) -> StudentLoss:
+                 first_phase_weight: float = 1.0, self_commit: bool = False,
+                 sink_gaps: torch.Tensor | None = None) -> StudentLoss:
     """Every phase of the batch's sessions as the runtime runs them; the x0 loss of each student step.
 
     The first phase of each request weighs `first_phase_weight` against 1 for the others: there the prompt is new
@@ -143,10 +146,14 @@ def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, se
     text can say what to draw, while every later phase can copy most of its scene from the history.
 
     Each phase commits the clean latents, or with `self_commit` what serving commits: the student's own output
-    (its last Euler step), renormalised as the runtime's prompt anchor does (`own_commit`)."""
+    (its last Euler step), renormalised as the runtime's prompt anchor does (`own_commit`).
+
+    With `sink_gaps` `[B]`, each session's sink is moved back that many time units (`retained`), as a later
+    request of a served session sees it."""
     commits: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
     anchors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch.sessions)
     audio_rows: list[int] = []
+    sink_turn = None if sink_gaps is None else batch.sink_turn(model, sink_gaps)
     per_step = [[] for _ in range(STEPS)]
     per_phase = []
     total = 0.0
@@ -160,7 +167,7 @@ def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, se
             x0_v, x0_a = batch.clean(ph)
             e_v = torch.randn(x0_v.shape, generator=generator).to(batch.device)
             e_a = torch.randn(x0_a.shape, generator=generator).to(batch.device)
-            history = retained(commits, audio_rows)
+            history = retained(commits, audio_rows, sink_turn)
             x = e_v
             for s in range(STEPS):
                 sv, sa = VIDEO_SIGMAS[s], AUDIO_STEP_SIGMAS[s]
@@ -183,6 +190,13 @@ def session_loss(model: DiT, batch: SessionBatch, generator: torch.Generator, se
             n += 1
     steps = torch.stack([torch.stack(p) for p in per_step]).mean(dim=1).tolist()  # one read, no sync a forward
     return StudentLoss(total / weights, tuple(steps), tuple(torch.stack(per_phase).tolist()))
+
+
+def draw_sink_gaps(sessions: int, most: float, generator: torch.Generator) -> torch.Tensor:
+    """A gap `[B]` for each session's sink: 0 with probability 1/2 (a session's opening requests, as trained
+    without the option), else uniform in [0, `most`]."""
+    later = torch.rand(sessions, generator=generator) < 0.5
+    return torch.where(later, torch.rand(sessions, generator=generator) * most, 0.0)
 
 
 def own_commit(batch: SessionBatch, ph: PhasePlan, x: torch.Tensor,
@@ -238,6 +252,10 @@ class StudentRunConfig:
     self_commit: float = 0.0
     """The fraction of steps whose sessions commit the student's own output instead of the clean latents (as
     served; `session_loss`)."""
+    sink_gap: float = 0.0
+    """U > 0: each session of a step has its sink moved back in time (RoPE units, 40 a second) by 0 with
+    probability 1/2, else by a uniform draw in [0, U], as later requests of a served session see it
+    (`session_loss`)."""
     self_rollout: float = 0.5
     minutes: float = 8.0
     max_steps: int | None = None
@@ -321,8 +339,9 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
         rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
         # drawn only when asked for, so runs without it keep the random stream they always had
         own = cfg.self_commit > 0 and bool(torch.rand((), generator=generator) < cfg.self_commit)
+        gaps = draw_sink_gaps(cfg.sessions, cfg.sink_gap, generator) if cfg.sink_gap > 0 else None
         clock.mark("sessions")
-        loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight, own)
+        loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight, own, gaps)
         clock.mark("student_forward")
         loss.total.backward()
         clock.mark("student_backward")
@@ -392,9 +411,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--state", required=True, type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
-    for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_commit", "self_rollout",
-                 "minutes", "max_steps", "save_every", "log_every", "distinct", "workers", "base_lr", "base_accum",
-                 "teacher_docs", "openings"):
+    for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_commit", "sink_gap",
+                 "self_rollout", "minutes", "max_steps", "save_every", "log_every", "distinct", "workers", "base_lr",
+                 "base_accum", "teacher_docs", "openings"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
@@ -417,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_float32_matmul_precision("high")
     cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
                            switch=args.switch, first_phase_weight=args.first_phase_weight,
-                           self_commit=args.self_commit,
+                           self_commit=args.self_commit, sink_gap=args.sink_gap,
                            self_rollout=args.self_rollout, minutes=args.minutes,
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,
