@@ -104,6 +104,18 @@ def test_outline_reads_the_staircases_the_trained_vae_draws_at_the_opening_size(
     assert sample.outline(_staircase(cells)) == shape
 
 
+@pytest.mark.parametrize("shape", world.SHAPES)
+def test_a_stray_cell_of_another_colour_beside_the_shape_does_not_change_the_outline_read(shape):
+    scene = world.opening_scene(shape, "white", "black", "still")
+    video, audio, span = _span_media(scene, frames=4)
+    mask, _ = sample.shape_mask(video[0])
+    rows = np.flatnonzero(mask.any(axis=1))
+    cols = np.flatnonzero(mask[rows[-1]])
+    video[:, rows[-1] + 1:rows[-1] + 17, cols[0]:cols[0] + 16] = (230, 110, 30)  # an orange cell under its foot
+    assert sample.outline(sample.shape_mask(video[0])[0]) != shape  # read whole, the cell changes the outline
+    assert sample.look(video, audio, world.SAMPLE_RATE, span).shape == shape
+
+
 def test_outline_of_nothing_and_of_a_shape_split_by_the_edge():
     assert sample.outline(np.zeros((world.HEIGHT, world.WIDTH), bool)) == "none"
     frame = world.render_video(world.Scene("square", "red", "black", "left", 48.0, 0.0, 96.0), 0, 1)[0]

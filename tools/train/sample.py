@@ -144,6 +144,16 @@ def outline(mask: np.ndarray) -> str:
     return "unclear"
 
 
+def own_colour(frame: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The pixels of `mask` within 60 (largest channel) of their median colour: the shape's own, without the stray
+    latent cells of other colours a decode may put beside it (a 16 px block of orange at a white square's edge would
+    otherwise lengthen its rows or columns and change the outline read)."""
+    if mask.sum() < 20:
+        return mask
+    colour = np.median(frame[mask], axis=0)
+    return mask & (np.abs(frame.astype(np.float32) - colour).max(axis=-1) < 60)
+
+
 def look(frames: np.ndarray, audio: np.ndarray, rate: int, span: Span) -> Look:
     """Measure one span: the frames [start, stop) and the sound over the same media time."""
     colours, backgrounds, xs, ys, cover, shapes = [], [], [], [], [], []
@@ -151,7 +161,7 @@ def look(frames: np.ndarray, audio: np.ndarray, rate: int, span: Span) -> Look:
         mask, background = shape_mask(frame)
         backgrounds.append(background)
         cover.append(mask.mean())
-        shapes.append(outline(mask))
+        shapes.append(outline(own_colour(frame, mask)))
         if mask.sum() >= 20:
             colours.append(np.median(frame[mask], axis=0))
             yy, xx = np.nonzero(mask)
