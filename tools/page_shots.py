@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", type=pathlib.Path, default=ROOT / "models" / "tiny")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "images")
     p.add_argument("--prompt", default="a red circle standing still on a dark blue background, a low hum")
-    p.add_argument("--update", default="a yellow square standing still on a grey background, a high hum")
+    p.add_argument("--update", default="a yellow triangle standing still on a grey background, a high hum")
     p.add_argument("--played", type=float, default=3.0, help="seconds of media played before the first picture")
     p.add_argument("--service-log", default="/tmp/vitascope-page-shots.log")
     args = p.parse_args(argv)

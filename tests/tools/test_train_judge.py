@@ -48,6 +48,18 @@ def test_the_first_phases_speed_of_a_rendered_motion_is_the_worlds(motion):
     assert np.isnan(judge.first_phase_speed(stream, motion))
 
 
+@pytest.mark.parametrize("motion", judge.MOTIONS)
+def test_a_shape_on_the_worlds_path_scores_one_and_a_shape_that_stopped_scores_near_nothing(motion):
+    scene = world.opening_scene("circle", "red", "black", motion)
+    frames = world.render_video(scene, 0, 240)  # 10 s: the world moves the shape 640 px (sideways) or 240 px
+    stream = Stream(frames, np.zeros((2, 1), np.float32), world.SAMPLE_RATE, [Span(0, 0, 0, 240)], None)
+    assert judge.path_iou(stream, scene) > 0.97  # the shape's anti-aliased rim is not its own colour
+    frames[:] = frames[0]  # the shape stays where it opened: sideways 0.2, up or down (slower) 0.33
+    assert judge.path_iou(stream, scene) < 0.35
+    frames[:] = frames[0, 0, 0]  # no shape at all
+    assert judge.path_iou(stream, scene) == 0.0
+
+
 def test_totals_count_the_still_pairs_and_the_moving_ones_apart():
     right = dict(colour=True, tone=True, outline=True)
     pairs = [dict(still=True, phases=[right, dict(right, tone=False)]),

@@ -9,8 +9,9 @@ The sessions (`tools.train.sample` streams and measures each):
   ones. Every phase scores its colour (the shape's is the typed colour's nearest grammar colour, the background
   within 20 of the typed one), its tone (the loudest frequency within 4 Hz of the typed colour's) and, for a still
   shape, its outline (`sample.outline`);
-- a red circle moving left, right, up and down, one request each: the shape's speed along its axis over the first
-  phase (a line fitted to its centroid), against the world's.
+- a red circle moving left, right, up and down, two requests each: the shape's speed along its axis over the first
+  phase (a line fitted to its centroid), against the world's, and how well the shape keeps to the world's path
+  over both requests (`path_iou`).
 
 Prints a line a session and the totals; `--json` writes them.
 """
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tools.train import world
-from tools.train.sample import Look, Stream, looks, nearest_colour, sample, shape_mask
+from tools.train.sample import Look, Stream, looks, nearest_colour, own_colour, sample, shape_mask
 
 Grammar = tuple[str, str, str, str]
 """(shape, colour, background, motion)"""
@@ -42,6 +43,7 @@ PAIRS: tuple[tuple[Grammar, Grammar], ...] = (
 )
 MOTIONS = ("left", "right", "up", "down")
 REQUESTS = 3
+MOVING_REQUESTS = 2
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,19 @@ def first_phase_speed(stream: Stream, motion: str) -> float:
     return float(np.polyfit(frames, where, 1)[0])
 
 
+def path_iou(stream: Stream, scene: world.Scene, every: int = 12) -> float:
+    """Mean over every `every`-th frame of the stream of the IoU between the shape shown (the pixels of its own
+    colour, `sample.own_colour`) and the shape in the world's own frame of the scene at that time; a frame showing no
+    shape counts 0. A shape that keeps to its motion over every phase and request scores as a still one does; one
+    lost or stopped after the first phase scores near 0 once the world has moved it a shape's width on."""
+    ious = []
+    for i in range(0, len(stream.frames), every):
+        shown = own_colour(stream.frames[i], shape_mask(stream.frames[i])[0])
+        truth, _ = shape_mask(world.render_video(scene, i, 1)[0])
+        ious.append((shown & truth).sum() / max((shown | truth).sum(), 1) if shown.sum() >= 20 else 0.0)
+    return float(np.mean(ious))
+
+
 def world_speed(motion: str) -> float:
     """px a frame the world moves a shape along its axis (image y grows downwards)."""
     speed = world.HORIZONTAL_SPEED if motion in ("left", "right") else world.VERTICAL_SPEED
@@ -104,11 +119,14 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
               f"{sum(bool(s.outline) for s in scores)}/{sum(s.outline is not None for s in scores)}", flush=True)
     speeds = {}
     for motion in MOTIONS:
-        stream = sample(tree, caption(("circle", "red", "black", motion)), [], requests=1, seed=0,
+        scene = world.opening_scene("circle", "red", "black", motion)
+        stream = sample(tree, scene.caption, [], requests=MOVING_REQUESTS, seed=0,
                         service_log=str(log_dir / f"{motion}.log"))
-        speeds[motion] = dict(shown=first_phase_speed(stream, motion), world=world_speed(motion))
-        print(f"moving {motion}: {speeds[motion]['shown']:+.2f} px a frame (the world {world_speed(motion):+.2f})",
-              flush=True)
+        speeds[motion] = dict(shown=first_phase_speed(stream, motion), world=world_speed(motion),
+                              path_iou=path_iou(stream, scene))
+        print(f"moving {motion}: {speeds[motion]['shown']:+.2f} px a frame in the first phase (the world "
+              f"{world_speed(motion):+.2f}); IoU with the world's path over {MOVING_REQUESTS} requests "
+              f"{speeds[motion]['path_iou']:.2f}", flush=True)
     return dict(pairs=pairs, speeds=speeds, totals=totals(pairs))
 
 
