@@ -32,7 +32,9 @@
 # student's steps that commit its own output, as served, instead of the clean latents), SINK_GAP (the most time
 # units, 40 a second, by which the student's sink moves back, as later requests see it; 0: never), JOINT_DISTINCT
 # (the student trains on that many sessions, each encoded once and kept on the GPU, and its base part on as many
-# seeds; unset: every session new, encoded at every step),
+# seeds; unset: every session new, encoded at every step), BASE_STEPS and JOINT_STEPS (the base and the student end
+# at that step, or at their minutes if those come first: a recipe pinned in steps, the minutes set high, trains
+# the same on machines of different pace; a call that ends sooner carries on through FROM),
 # VIDEO_BATCH, AUDIO_BATCH, *_WORKERS (small values make a CPU smoke run).
 set -uo pipefail
 : "${W:?set W to the work directory}"
@@ -98,7 +100,8 @@ job() {
             --minutes "${BASE_MIN:-9}" --accum "${BASE_ACCUM:-8}" --lr "${BASE_LR:-6e-4}" --warmup 100 \
             --workers "${BASE_WORKERS:-8}" --teacher-docs "${TEACHER_DOCS:-0.25}" --openings "${OPENINGS:-0.75}" \
             --distinct "${BASE_DISTINCT:-4096}" \
-            --save-every 100 --export "$W/export/base_stage2" > "$W/logs/base.log" 2>&1 || { decoders; return 1; }
+            --save-every 100 --export "$W/export/base_stage2" ${BASE_STEPS:+--max-steps "$BASE_STEPS"} \
+            > "$W/logs/base.log" 2>&1 || { decoders; return 1; }
     fi
     stage "3 joint student"
     local sessions=()
@@ -109,7 +112,8 @@ job() {
         --first-phase-weight "${FIRST_WEIGHT:-1}" --self-commit "${SELF_COMMIT:-0}" \
         --sink-gap "${SINK_GAP:-0}" --lr "${LR:-1e-3}" --workers "${JOINT_WORKERS:-10}" \
         --log-every 5 --save-every 25 --train-base --openings "${JOINT_OPENINGS:-0.75}" --export "$W/export/lora" \
-        --export-base "$W/export/base" "${sessions[@]}" > "$W/logs/joint.log" 2>&1 || { decoders; return 1; }
+        --export-base "$W/export/base" "${sessions[@]}" ${JOINT_STEPS:+--max-steps "$JOINT_STEPS"} \
+        > "$W/logs/joint.log" 2>&1 || { decoders; return 1; }
     decoders || return 1
     stage "done"
 }
