@@ -96,7 +96,11 @@ def session_scenes(seed: int, switch: float) -> list[world.Scene]:
 def render_session(seed: int, switch: float) -> SessionClip:
     """Frames and sound of session `seed`, each request from its own scene (a switch cuts at the boundary; the
     audio cuts at the request's first audio latent)."""
-    scenes = session_scenes(seed, switch)
+    return render_scenes(seed, session_scenes(seed, switch))
+
+
+def render_scenes(seed: int, scenes: list[world.Scene]) -> SessionClip:
+    """Frames and sound of a session whose request k shows `scenes[k]` (`seed` names it, e.g. for a cache)."""
     frames, waves = [], []
     for k, scene in enumerate(scenes):
         plan = plan_request(k)
