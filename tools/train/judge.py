@@ -5,13 +5,13 @@ system, each phase scored, so that two trainings (or a retraining from scratch) 
 
 The sessions (`tools.train.sample` streams and measures each):
 
-- prompt pairs, the second applying from request 1, three requests each: five of still shapes and two of moving
+- prompt pairs, the second applying from request 1, three requests each: six of still shapes and two of moving
   ones. Every phase scores its colour (the shape's is the typed colour's nearest grammar colour, the background
   within 20 of the typed one), its tone (the loudest frequency within 4 Hz of the typed colour's) and, for a still
   shape, its outline (`sample.outline`);
-- a red circle moving left, right, up and down, two requests each: the shape's speed along its axis over the first
-  phase (a line fitted to its centroid), against the world's, and how well the shape keeps to the world's path
-  over both requests (`path_iou`).
+- a red circle moving left, right, up, down and bouncing, two requests each: how well the shape keeps to the
+  world's path over both requests (`path_iou`) and, but for the bounce, its speed along its axis over the first
+  phase (a line fitted to its centroid) against the world's.
 
 Prints a line a session and the totals; `--json` writes them.
 """
@@ -38,10 +38,14 @@ PAIRS: tuple[tuple[Grammar, Grammar], ...] = (
     (("circle", "white", "black", "still"), ("triangle", "purple", "black", "still")),
     (("triangle", "red", "black", "still"), ("square", "green", "dark green", "still")),
     (("square", "blue", "brown", "still"), ("circle", "red", "dark blue", "still")),
+    (("square", "blue", "black", "still"), ("triangle", "red", "black", "still")),
     (("circle", "red", "dark blue", "left"), ("square", "blue", "dark blue", "right")),
     (("triangle", "yellow", "black", "up"), ("circle", "white", "black", "bounce")),
 )
 MOTIONS = ("left", "right", "up", "down")
+"""The motions at one speed: each scores its first phase's speed and its path."""
+PATHS = MOTIONS + ("bounce",)
+"""The motions whose path over MOVING_REQUESTS requests is scored (a bounce has no one speed)."""
 REQUESTS = 3
 MOVING_REQUESTS = 2
 
@@ -118,15 +122,17 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
               f"tone {sum(s.tone for s in scores)}/{len(scores)}, outline "
               f"{sum(bool(s.outline) for s in scores)}/{sum(s.outline is not None for s in scores)}", flush=True)
     speeds = {}
-    for motion in MOTIONS:
+    for motion in PATHS:
         scene = world.opening_scene("circle", "red", "black", motion)
         stream = sample(tree, scene.caption, [], requests=MOVING_REQUESTS, seed=0,
                         service_log=str(log_dir / f"{motion}.log"))
-        speeds[motion] = dict(shown=first_phase_speed(stream, motion), world=world_speed(motion),
-                              path_iou=path_iou(stream, scene))
-        print(f"moving {motion}: {speeds[motion]['shown']:+.2f} px a frame in the first phase (the world "
-              f"{world_speed(motion):+.2f}); IoU with the world's path over {MOVING_REQUESTS} requests "
-              f"{speeds[motion]['path_iou']:.2f}", flush=True)
+        speeds[motion] = dict(path_iou=path_iou(stream, scene))
+        line = f"IoU with the world's path over {MOVING_REQUESTS} requests {speeds[motion]['path_iou']:.2f}"
+        if motion in MOTIONS:
+            speeds[motion].update(shown=first_phase_speed(stream, motion), world=world_speed(motion))
+            line = (f"{speeds[motion]['shown']:+.2f} px a frame in the first phase (the world "
+                    f"{world_speed(motion):+.2f}); " + line)
+        print(f"moving {motion}: {line}", flush=True)
     return dict(pairs=pairs, speeds=speeds, totals=totals(pairs))
 
 
