@@ -151,6 +151,17 @@ def test_the_student_loss_moves_each_phases_sink_by_its_gaps_and_zero_gaps_chang
     assert torch.equal(zero.total, plain.total) and zero.phases == plain.phases
 
 
+def test_the_served_history_applies_from_its_step_and_draws_nothing_before():
+    cfg = student.StudentRunConfig(sessions=4, self_commit=1.0, sink_gap=300.0, served_from=468)
+    gen = torch.Generator().manual_seed(0)
+    assert student.served_history(cfg, 467, gen) == (False, None)
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(0).get_state())  # the stream untouched
+    own, gaps = student.served_history(cfg, 468, gen)
+    assert own and gaps.shape == (4,) and (gaps <= 300.0).all()
+    own, gaps = student.served_history(student.StudentRunConfig(sessions=4), 468, gen)
+    assert (own, gaps) == (False, None)  # neither asked for
+
+
 def test_sink_gaps_are_zero_for_about_half_the_sessions_and_uniform_up_to_the_most_for_the_rest():
     gaps = student.draw_sink_gaps(4000, 300.0, torch.Generator().manual_seed(0))
     far = gaps[gaps > 0]

@@ -203,6 +203,18 @@ def draw_sink_gaps(sessions: int, most: float, generator: torch.Generator) -> to
     return torch.where(later, torch.rand(sessions, generator=generator) * most, 0.0)
 
 
+def served_history(cfg: "StudentRunConfig", step: int, generator: torch.Generator
+                   ) -> tuple[bool, torch.Tensor | None]:
+    """(whether this step's sessions commit their own output, their sinks' gaps `[B]` or None) for step `step`:
+    neither before `cfg.served_from`. Drawn only when asked for, so that runs without them keep the random stream
+    they always had."""
+    if step < cfg.served_from:
+        return False, None
+    own = cfg.self_commit > 0 and bool(torch.rand((), generator=generator) < cfg.self_commit)
+    gaps = draw_sink_gaps(cfg.sessions, cfg.sink_gap, generator) if cfg.sink_gap > 0 else None
+    return own, gaps
+
+
 def own_commit(batch: SessionBatch, ph: PhasePlan, x: torch.Tensor,
                anchors: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
     """The student's clean output `x` `[B, Tv, 96]` as the runtime commits it: each session's rows renormalised to
@@ -260,6 +272,9 @@ class StudentRunConfig:
     """U > 0: each session of a step has its sink moved back in time (RoPE units, 40 a second) by 0 with
     probability 1/2, else by a uniform draw in [0, U], as later requests of a served session see it
     (`session_loss`)."""
+    served_from: int = 0
+    """The step from which `self_commit` and `sink_gap` apply: the history as served is for a student that already
+    draws the scene (run D's took them from step 468, at x0 about 0.2)."""
     self_rollout: float = 0.5
     minutes: float = 8.0
     max_steps: int | None = None
@@ -341,9 +356,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
         optimizer.zero_grad(set_to_none=True)
         batch = SessionBatch([encode_session(cond, next(clips)) for _ in range(cfg.sessions)], device)
         rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
-        # drawn only when asked for, so runs without it keep the random stream they always had
-        own = cfg.self_commit > 0 and bool(torch.rand((), generator=generator) < cfg.self_commit)
-        gaps = draw_sink_gaps(cfg.sessions, cfg.sink_gap, generator) if cfg.sink_gap > 0 else None
+        own, gaps = served_history(cfg, state.step, generator)
         clock.mark("sessions")
         loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight, own, gaps)
         clock.mark("student_forward")
@@ -416,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
     for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_commit", "sink_gap",
-                 "self_rollout", "minutes", "max_steps", "save_every", "log_every", "distinct", "workers", "base_lr",
+                 "served_from", "self_rollout", "minutes", "max_steps", "save_every", "log_every", "distinct", "workers", "base_lr",
                  "base_accum", "teacher_docs", "openings"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
@@ -440,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_float32_matmul_precision("high")
     cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
                            switch=args.switch, first_phase_weight=args.first_phase_weight,
-                           self_commit=args.self_commit, sink_gap=args.sink_gap,
+                           self_commit=args.self_commit, sink_gap=args.sink_gap, served_from=args.served_from,
                            self_rollout=args.self_rollout, minutes=args.minutes,
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,
