@@ -25,18 +25,15 @@ from services.dit.model.network import PRESETS
 from tools.train import world
 from tools.train.dit import Conditioner
 from tools.train.session_batch import SessionBatch
-from tools.train.student import REQUESTS, encode_session, render_scenes, session_loss
+from tools.train.student import REQUESTS, SESSION_FRAMES, encode_session, render_scenes, session_loss
 
 
 def motion_sessions(motion: str, count: int) -> list[list[world.Scene]]:
     """`count` sessions of one prompt each: the opening scene of `motion`, the rest of its grammar from seed i."""
     sessions = []
     for i in range(count):
-        rng = np.random.default_rng(i)
-        scene = world.opening_scene(world.SHAPES[rng.integers(len(world.SHAPES))],
-                                    world.COLOURS[rng.integers(len(world.COLOURS))].name,
-                                    list(world.BACKGROUNDS)[rng.integers(len(world.BACKGROUNDS))], motion)
-        sessions.append([scene] * REQUESTS)
+        shape, colour, background, _ = world.sample_grammar(np.random.default_rng(i))
+        sessions.append([world.opening_scene(shape, colour, background, motion)] * REQUESTS)
     return sessions
 
 
@@ -47,7 +44,7 @@ def probe(tree: pathlib.Path, sessions: int, motions: tuple[str, ...] = tuple(m.
     root, cpu = tree / "MiniMax-H3", torch.device("cpu")
     model = load_dit(root / "FL2VA" / "transformer", PRESETS["tiny"], cpu, torch.float32).eval()
     LoRAAdapter.load(model, tree / "TaoMate-H3", torch.float32)
-    cond = Conditioner(root, root, cpu)
+    cond = Conditioner(root, root, cpu, SESSION_FRAMES)
     out = {}
     for motion in motions:
         per_session = []
