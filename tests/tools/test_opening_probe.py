@@ -14,8 +14,8 @@ from tools.train.dit import Conditioner
 pytestmark = pytest.mark.cpu
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-VAE_ROOT = REPO / "tools" / "train" / "resume" / "vae"  # run D's trained VAEs
 ENCODER_ROOT = REPO / "models" / "tiny" / "MiniMax-H3"
+VAE_ROOT = ENCODER_ROOT  # the shipped model's trained VAEs (vae/, audio_vae/)
 
 
 @pytest.fixture(scope="module")
