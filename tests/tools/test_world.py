@@ -228,3 +228,22 @@ def test_a_shape_too_large_for_the_canvas_is_refused_and_a_smaller_world_s_size_
     solid = np.all(frame == COLOUR_BY_NAME["red"].rgb, axis=-1)
     assert solid.sum() == pytest.approx((2 * 33.0) ** 2, rel=0.05)
     assert world.opening_scene("square", "red", "black", "still").size == world.OPENING_SIZE
+
+
+def test_the_readme_lists_the_words_of_the_worlds_grammar_and_an_example_from_it():
+    """The README tells a user which sentences the default model knows: its table must follow the world's slots,
+    and its example must be one of the world's captions."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rhythms: dict[str, list[str]] = {}
+    for m in world.MOTIONS:
+        rhythms.setdefault(m.rhythm, []).append(m.phrase)
+    rows = {
+        "colour and its pitch word": ", ".join(f"{c.name} {c.pitch_word}" for c in world.COLOURS),
+        "shape": ", ".join(world.SHAPES),
+        "motion and its rhythm": "; ".join(f"{' or '.join(p)}: {r}" for r, p in rhythms.items()),
+        "background": ", ".join(world.BACKGROUNDS),
+    }
+    for slot, words in rows.items():
+        assert f"| {slot} | {words} |" in readme, f"the README's row for {slot} is not: {words}"
+    example = re.search(r'For example "([^"]+)"', readme)
+    assert example and example.group(1) in world.all_captions(), "the README's example is not a caption"
