@@ -390,3 +390,36 @@ def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_re
                                           texts=batch.refined_texts(served, ph.request_index))
     torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
     assert (got - base_out).abs().max() > 1e-4  # the adapter is not a no-op on the exported base
+
+
+@pytest.mark.slow
+def test_a_student_resumed_from_its_saved_state_trains_on_as_one_that_never_stopped(tmp_path):
+    """A run that spans device calls (`run_from_scratch_gpu.sh`, FROM=) must train the model that one unbroken
+    process would: every draw (the noise, the self-rollouts, the served history's commits and sink gaps) goes on
+    from where the saved state left it, not from the seed again."""
+    from dataclasses import replace
+
+    from services.dit.model.checkpoint import write_trained_checkpoint
+    from services.encoder.checkpoint import write_random_checkpoint as write_encoder
+    from services.vae.checkpoint import write_random_checkpoint as write_vaes
+    from tools.train.dit import Conditioner
+
+    root = tmp_path / "minimax"
+    write_encoder("tiny", root)
+    write_vaes("tiny", root)
+    base_dir = write_trained_checkpoint(PRESETS["tiny"], build_random(PRESETS["tiny"], "cpu", torch.float32, 3)
+                                        .state_dict(), tmp_path / "base")
+    cond = Conditioner(root, root, torch.device("cpu"), student.SESSION_FRAMES, cache=True)
+    cfg = student.StudentRunConfig(rank=4, sessions=1, max_steps=4, distinct=1, train_base=True, base_accum=1,
+                                   warmup=1, log_every=1, self_commit=0.5, sink_gap=100.0, served_from=1)
+    unbroken, _ = student.train(cfg, base_dir, cond, tmp_path / "unbroken")
+    student.train(replace(cfg, max_steps=2), base_dir, cond, tmp_path / "broken")
+    resumed, _ = student.train(cfg, base_dir, cond, tmp_path / "broken")
+
+    assert resumed.step == unbroken.step == 4
+    want, got = unbroken.model.state_dict(), resumed.model.state_dict()
+    differ = [name for name in want if not torch.equal(want[name], got[name])]
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ after the resume, e.g. {differ[:3]}"
+    logs = [[json.loads(line)["x0"] for line in (tmp_path / d / "log.jsonl").read_text().splitlines()]
+            for d in ("unbroken", "broken")]
+    assert logs[0] == logs[1]

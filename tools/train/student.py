@@ -334,7 +334,8 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
     model, adapter = build(base, device, cfg)
     groups = param_groups(model, cfg)
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=0.0)
-    state = TrainState(model, EMA(model, cfg.ema_decay), optimizer)
+    generator = torch.Generator().manual_seed(cfg.seed)  # the noise, rollouts and served history's draws
+    state = TrainState(model, EMA(model, cfg.ema_decay), optimizer, generators={"student": generator})
     torch.manual_seed(cfg.seed)
     state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions, train_base=cfg.train_base))
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -347,7 +348,6 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                                        openings=cfg.openings, encoded_after=first_base if cond.caches else None),
                                  sampler=IndexRange(first_base), generator=torch.Generator(),
                                  **loader)) if cfg.train_base else None
-    generator = torch.Generator().manual_seed(cfg.seed)
     started, seconds_before, window, base_window = time.monotonic(), state.seconds, [], []
     while True:
         for group in optimizer.param_groups:

@@ -2,8 +2,9 @@
 `StepClock`, where a logged step's time went.
 
 Knows nothing about what is trained. `save` writes `<dir>/state.pt` atomically (a temporary file renamed over the
-old one, so a run killed mid-write leaves the previous state intact); `load` restores it, RNGs included, so a run
-that resumes draws the same noise a run that never stopped would have drawn. The data a step sees is a function of
+old one, so a run killed mid-write leaves the previous state intact); `load` restores it, RNGs included (the global
+ones and the trainer's own generators, by name), so a run that resumes draws the same noise a run that never
+stopped would have drawn. The data a step sees is a function of
 the step alone (the trainers index their datasets by sample number), so the step is all the data state there is.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,8 @@ class TrainState:
     """Optimizer steps taken so far, over all runs."""
     seconds: float = 0.0
     """Training wall-clock seconds so far, over all runs."""
+    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    """The trainer's own generators (beside the global RNGs), saved and restored by name."""
 
     def save(self, directory: Path, meta: dict) -> Path:
         """Write the state (and `meta`, e.g. the dims and the run's arguments) to `directory/state.pt`."""
@@ -101,7 +104,8 @@ class TrainState:
         path = directory / STATE_FILE
         tmp = directory / (STATE_FILE + ".tmp")
         torch.save({"model": self.model.state_dict(), "ema": self.ema.shadow, "optimizer": self.optimizer.state_dict(),
-                    "step": self.step, "seconds": self.seconds, "rng": rng_state(), "meta": meta}, tmp)
+                    "step": self.step, "seconds": self.seconds, "rng": rng_state(),
+                    "generators": {name: g.get_state() for name, g in self.generators.items()}, "meta": meta}, tmp)
         os.replace(tmp, path)
         log.info("saved step %d to %s", self.step, path)
         return path
@@ -124,6 +128,12 @@ class TrainState:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.step, self.seconds = saved["step"], saved["seconds"]
         set_rng_state(saved["rng"])
+        kept = saved.get("generators", {})
+        for name, generator in self.generators.items():
+            if name in kept:
+                generator.set_state(kept[name])
+            else:  # a state saved before the trainer's generators were kept
+                log.warning("%s holds no state of the generator %r: it goes on from its seed", path, name)
         log.info("resumed step %d (%.0f s trained) from %s", self.step, self.seconds, path)
         return saved["meta"]
 
