@@ -66,3 +66,25 @@ def test_totals_count_the_still_pairs_and_the_moving_ones_apart():
              dict(still=False, phases=[dict(right, outline=None), dict(right, colour=False, outline=None)])]
     assert judge.totals(pairs) == {"still": {"colour": [2, 2], "tone": [1, 2], "outline": [2, 2]},
                                    "moving": {"colour": [1, 2], "tone": [2, 2], "outline": [0, 0]}}
+
+
+def _figures(outline=73, colour=84, up=0.77, bounce=0.35) -> dict:
+    """`judge`'s output as run D's model scored it (docs/training.md, "Run D's model"), with figures to vary."""
+    return {"totals": {"still": {"colour": [colour, 84], "tone": [84, 84], "outline": [outline, 84]},
+                       "moving": {"colour": [27, 27], "tone": [27, 27], "outline": [0, 0]}},
+            "speeds": {"left": {"path_iou": 0.65}, "right": {"path_iou": 0.59}, "up": {"path_iou": up},
+                       "down": {"path_iou": 0.76}, "bounce": {"path_iou": bounce}}}
+
+
+def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_held_to_it():
+    assert judge.shortfalls(_figures()) == []
+    assert judge.shortfalls(_figures(bounce=0.0)) == []
+
+
+@pytest.mark.parametrize("figures, named", [
+    (_figures(outline=59), "still outline 59/84 (floor 60)"),
+    (_figures(colour=83), "still colour 83/84 (floor 84)"),
+    (_figures(up=0.45), "path IoU moving up 0.45 (floor 0.45)"),
+])
+def test_each_figure_below_the_floor_is_named_with_its_value_and_only_it(figures, named):
+    assert judge.shortfalls(figures) == [named]

@@ -13,7 +13,9 @@ The sessions (`tools.train.sample` streams and measures each):
   world's path over both requests (`path_iou`) and, but for the bounce, its speed along its axis over the first
   phase (a line fitted to its centroid) against the world's.
 
-Prints a line a session and the totals; `--json` writes them.
+Prints a line a session and the totals; `--json` writes them. `--floor` also holds the figures to the floor a
+retraining must reach to count as reproducing the shipped model (run D's, less a margin; docs/training.md, "Run
+E"), names each figure below it and exits 1 if any is.
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ PATHS = MOTIONS + ("bounce",)
 """The motions whose path over MOVING_REQUESTS requests is scored (a bounce has no one speed)."""
 REQUESTS = 3
 MOVING_REQUESTS = 2
+OUTLINE_FLOOR = 60
+"""Still phases whose outline must read right, of 84 (run D: 73); colour and tone must be right in every phase."""
+PATH_FLOOR = 0.45
+"""Path IoU each motion at one speed must pass (run D: 0.59-0.77); the bounce is not learnt (run D: 0.35)."""
 
 
 @dataclass(frozen=True)
@@ -146,10 +152,27 @@ def totals(pairs: list[dict]) -> dict:
     return out
 
 
+def shortfalls(figures: dict) -> list[str]:
+    """The figures of `judge`'s output below the floor (OUTLINE_FLOOR, PATH_FLOOR, every colour and tone), each
+    named with its value; empty when the model reaches it."""
+    short = []
+    for kind, parts in figures["totals"].items():
+        for f, (right, n) in parts.items():
+            need = OUTLINE_FLOOR if f == "outline" else n
+            if n and right < need:
+                short.append(f"{kind} {f} {right}/{n} (floor {need})")
+    for motion in MOTIONS:
+        iou = figures["speeds"][motion]["path_iou"]
+        if not iou > PATH_FLOOR:
+            short.append(f"path IoU moving {motion} {iou:.2f} (floor {PATH_FLOOR})")
+    return short
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", type=pathlib.Path, required=True, help="a checkpoint tree (MiniMax-H3/, TaoMate-H3/)")
     p.add_argument("--json", type=pathlib.Path)
+    p.add_argument("--floor", action="store_true", help="exit 1 if a figure is below a reproduction's floor")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="vitascope-judge-") as tmp:
         figures = judge(args.tree, pathlib.Path(tmp))
@@ -157,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: " + ", ".join(f"{f} {right}/{n}" for f, (right, n) in parts.items()))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
+    if args.floor:
+        short = shortfalls(figures)
+        print("below the floor: " + "; ".join(short) if short else "every figure reaches the floor")
+        return 1 if short else 0
     return 0
 
 
