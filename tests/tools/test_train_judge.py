@@ -88,3 +88,10 @@ def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_
 ])
 def test_each_figure_below_the_floor_is_named_with_its_value_and_only_it(figures, named):
     assert judge.shortfalls(figures) == [named]
+
+
+def test_the_worst_balance_is_the_largest_stray_either_way_and_names_its_request():
+    lks = [Look(request=r, phase=0, colour=(240, 210, 50), background=(10, 10, 12), centroid=(160.0, 96.0),
+                coverage=0.1, shape="circle", pitch_hz=640.0, balance_db=db)
+           for r, db in enumerate((0.8, -2.5, 1.9, -6.3, 4.0))]
+    assert judge.worst_balance(lks) == (6.3, 3)

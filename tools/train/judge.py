@@ -11,7 +11,9 @@ The sessions (`tools.train.sample` streams and measures each):
   shape, its outline (`sample.outline`);
 - a red circle moving left, right, up, down and bouncing, two requests each: how well the shape keeps to the
   world's path over both requests (`path_iou`) and, but for the bounce, its speed along its axis over the first
-  phase (a line fitted to its centroid) against the world's.
+  phase (a line fitted to its centroid) against the world's;
+- a centred still circle of each colour on black, held for HELD_REQUESTS requests: how far its sound strays from
+  the centre (`worst_balance`; the world's is 0 dB).
 
 Prints a line a session and the totals; `--json` writes them. `--floor` also holds the figures to the floor a
 retraining must reach to count as reproducing the shipped model (run D's, less a margin; docs/training.md, "Run
@@ -50,6 +52,7 @@ PATHS = MOTIONS + ("bounce",)
 """The motions whose path over MOVING_REQUESTS requests is scored (a bounce has no one speed)."""
 REQUESTS = 3
 MOVING_REQUESTS = 2
+HELD_REQUESTS = 4
 OUTLINE_FLOOR = 60
 """Still phases whose outline must read right, of 84 (run D: 73); colour and tone must be right in every phase."""
 PATH_FLOOR = 0.45
@@ -105,6 +108,12 @@ def path_iou(stream: Stream, scene: world.Scene, every: int = 12) -> float:
     return float(np.mean(ious))
 
 
+def worst_balance(lks: list[Look]) -> tuple[float, int]:
+    """The largest |R - L| (dB) of the phases of a centred shape's stream, and the request where it is."""
+    worst = max(lks, key=lambda lk: abs(lk.balance_db))
+    return abs(worst.balance_db), worst.request
+
+
 def world_speed(motion: str) -> float:
     """px a frame the world moves a shape along its axis (image y grows downwards)."""
     speed = world.HORIZONTAL_SPEED if motion in ("left", "right") else world.VERTICAL_SPEED
@@ -139,7 +148,16 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
             line = (f"{speeds[motion]['shown']:+.2f} px a frame in the first phase (the world "
                     f"{world_speed(motion):+.2f}); " + line)
         print(f"moving {motion}: {line}", flush=True)
-    return dict(pairs=pairs, speeds=speeds, totals=totals(pairs))
+    balance = {}
+    for colour in world.COLOUR_BY_NAME:
+        g = ("circle", colour, "black", "still")
+        stream = sample(tree, caption(g), [], requests=HELD_REQUESTS, seed=0,
+                        service_log=str(log_dir / f"held_{colour}.log"))
+        db, request = worst_balance(looks(stream))
+        balance[colour] = dict(worst_db=db, request=request)
+        print(f"held {colour}: |R-L| at most {db:.1f} dB (request {request}) over {HELD_REQUESTS} requests",
+              flush=True)
+    return dict(pairs=pairs, speeds=speeds, balance=balance, totals=totals(pairs))
 
 
 def totals(pairs: list[dict]) -> dict:
