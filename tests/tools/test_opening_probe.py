@@ -14,15 +14,14 @@ from tools.train.dit import Conditioner
 pytestmark = pytest.mark.cpu
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-ENCODER_ROOT = REPO / "models" / "tiny" / "MiniMax-H3"
-VAE_ROOT = ENCODER_ROOT  # the shipped model's trained VAEs (vae/, audio_vae/)
+MODEL_ROOT = REPO / "models" / "tiny" / "MiniMax-H3"  # the shipped model: its trained VAEs and text encoder
 
 
 @pytest.fixture(scope="module")
 def cond_and_decoder():
     device = torch.device("cpu")
-    cond = Conditioner(VAE_ROOT, ENCODER_ROOT, device, opening_probe.LAYOUTS["phase"].num_frames)
-    return cond, VideoDecoder(load_video_vae(VAE_ROOT, device), tile_overlap=64)
+    cond = Conditioner(MODEL_ROOT, MODEL_ROOT, device, opening_probe.LAYOUTS["phase"].num_frames)
+    return cond, VideoDecoder(load_video_vae(MODEL_ROOT, device), tile_overlap=64)
 
 
 def test_the_clean_latents_of_each_opening_draw_its_own_shape_and_colour_with_no_error(cond_and_decoder):

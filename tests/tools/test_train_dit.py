@@ -72,6 +72,7 @@ def test_a_base_resumed_from_its_saved_state_trains_on_as_one_that_never_stopped
     assert not differ, f"{len(differ)} of {len(want)} tensors differ after the resume, e.g. {differ[:3]}"
     assert all(torch.equal(unbroken.ema.shadow[k], resumed.ema.shadow[k]) for k in unbroken.ema.shadow)
 
+
 def _row_t(layout):
     return layout.timesteps[layout.timestep_slot].tolist()
 

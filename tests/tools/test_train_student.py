@@ -338,21 +338,30 @@ def test_training_lowers_the_student_loss_and_exports_a_loadable_adapter(model, 
     torch.testing.assert_close(spec.factors[target][1], adapter.layers[target].lora_B["taomate"].weight.detach())
 
 
-@pytest.mark.slow
-def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_reload_the_trained_model(tmp_path):
-    from services.dit.model.checkpoint import load_dit, write_trained_checkpoint
-    from services.dit.model.lora import LoRAAdapter
+@pytest.fixture(scope="module")
+def trainer_inputs(tmp_path_factory):
+    """What `student.train` starts from: a random base DiT in the shipped layout, and the conditioner over random
+    tiny VAEs and text encoder."""
+    from services.dit.model.checkpoint import write_trained_checkpoint
     from services.encoder.checkpoint import write_random_checkpoint as write_encoder
     from services.vae.checkpoint import write_random_checkpoint as write_vaes
     from tools.train.dit import Conditioner
 
-    root = tmp_path / "minimax"
+    root = tmp_path_factory.mktemp("minimax")
     write_encoder("tiny", root)
     write_vaes("tiny", root)
-    torch.manual_seed(0)
     base_dir = write_trained_checkpoint(PRESETS["tiny"], build_random(PRESETS["tiny"], "cpu", torch.float32, 3)
-                                        .state_dict(), tmp_path / "base")
-    cond = Conditioner(root, root, torch.device("cpu"), student.SESSION_FRAMES, cache=True)
+                                        .state_dict(), tmp_path_factory.mktemp("base"))
+    return base_dir, Conditioner(root, root, torch.device("cpu"), student.SESSION_FRAMES, cache=True)
+
+
+@pytest.mark.slow
+def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_reload_the_trained_model(
+        trainer_inputs, tmp_path):
+    from services.dit.model.checkpoint import load_dit
+    from services.dit.model.lora import LoRAAdapter
+
+    base_dir, cond = trainer_inputs
     cfg = student.StudentRunConfig(rank=4, sessions=1, max_steps=2, distinct=1, train_base=True, base_accum=1,
                                    warmup=1, log_every=1, base_lr=1e-2)
     state, adapter = student.train(cfg, base_dir, cond, tmp_path / "state")
@@ -393,23 +402,13 @@ def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_re
 
 
 @pytest.mark.slow
-def test_a_student_resumed_from_its_saved_state_trains_on_as_one_that_never_stopped(tmp_path):
+def test_a_student_resumed_from_its_saved_state_trains_on_as_one_that_never_stopped(trainer_inputs, tmp_path):
     """A run that spans device calls (`run_from_scratch_gpu.sh`, FROM=) must train the model that one unbroken
     process would: every draw (the noise, the self-rollouts, the served history's commits and sink gaps) goes on
     from where the saved state left it, not from the seed again."""
     from dataclasses import replace
 
-    from services.dit.model.checkpoint import write_trained_checkpoint
-    from services.encoder.checkpoint import write_random_checkpoint as write_encoder
-    from services.vae.checkpoint import write_random_checkpoint as write_vaes
-    from tools.train.dit import Conditioner
-
-    root = tmp_path / "minimax"
-    write_encoder("tiny", root)
-    write_vaes("tiny", root)
-    base_dir = write_trained_checkpoint(PRESETS["tiny"], build_random(PRESETS["tiny"], "cpu", torch.float32, 3)
-                                        .state_dict(), tmp_path / "base")
-    cond = Conditioner(root, root, torch.device("cpu"), student.SESSION_FRAMES, cache=True)
+    base_dir, cond = trainer_inputs
     cfg = student.StudentRunConfig(rank=4, sessions=1, max_steps=4, distinct=1, train_base=True, base_accum=1,
                                    warmup=1, log_every=1, self_commit=0.5, sink_gap=100.0, served_from=1)
     unbroken, _ = student.train(cfg, base_dir, cond, tmp_path / "unbroken")

@@ -4,8 +4,8 @@
 Knows nothing about what is trained. `save` writes `<dir>/state.pt` atomically (a temporary file renamed over the
 old one, so a run killed mid-write leaves the previous state intact); `load` restores it, RNGs included (the global
 ones and the trainer's own generators, by name), so a run that resumes draws the same noise a run that never
-stopped would have drawn. The data a step sees is a function of
-the step alone (the trainers index their datasets by sample number), so the step is all the data state there is.
+stopped would have drawn. The data a step sees is a function of the step alone (the trainers index their datasets
+by sample number), so the step is all the data state there is.
 """
 from __future__ import annotations
 
