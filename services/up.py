@@ -115,13 +115,19 @@ def _wait_ready(names: tuple[str, ...], profile: Profile, supervisor: Supervisor
 
 
 def check_ports_free(profile: Profile) -> None:
-    """Fail before starting anything if a port of the profile is taken (e.g. another vitascope is running)."""
+    """Fail before starting anything if a port of the profile is taken (e.g. another vitascope is running) or named
+    for two of its services (here they all bind on one host: the second could not start)."""
     ports = [("encoder", profile.endpoints.port_of("encoder")), ("dit", profile.endpoints.port_of("dit")),
              ("vae", profile.endpoints.port_of("vae")), ("gateway", profile.gateway.port)]
     ports += [(f"{name} metrics", getattr(profile, name).metrics_port) for name in STAGES]
+    owner: dict[int, str] = {}
     for name, port in ports:
         if not port:
             continue
+        if port in owner:
+            raise RuntimeError(f"port {port} is named for both {owner[port]} and {name} in {profile.path}: "
+                               "give each service its own port")
+        owner[port] = name
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:

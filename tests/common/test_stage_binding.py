@@ -3,12 +3,12 @@ address; a stage that breaks for good stops serving so that its supervisor can r
 import asyncio
 import os
 import signal
-import socket
 
 import pytest
 
 from services.common.config import load_profile
 from services.common.grpc_server import Stage, serve
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.cpu
 
@@ -31,11 +31,6 @@ class _Idle(Stage):
     def failed(self) -> bool:
         return self.fail_after_start
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 V4_MAPPED = "0000000000000000FFFF0000"
@@ -63,7 +58,7 @@ def test_every_shipped_profile_places_its_stages_on_loopback():
 
 
 async def test_a_stage_binds_grpc_and_metrics_to_loopback_only():
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port = free_ports(2)
     ready = asyncio.Event()
     task = asyncio.create_task(serve(_Idle(), "test.v1.Idle", lambda server, stage: None, grpc_port, metrics_port,
                                      host="127.0.0.1", ready=ready.set))
@@ -78,7 +73,7 @@ async def test_a_stage_binds_grpc_and_metrics_to_loopback_only():
 
 async def test_a_stage_that_breaks_for_good_stops_serving_to_be_restarted():
     stage = _Idle(fail_after_start=True)
-    stopped = await asyncio.wait_for(serve(stage, "test.v1.Idle", lambda server, stage: None, _free_port()), 30)
+    stopped = await asyncio.wait_for(serve(stage, "test.v1.Idle", lambda server, stage: None, free_ports(1)[0]), 30)
     assert stopped is False and stage.closed
 
 
@@ -123,6 +118,6 @@ async def test_a_stage_works_on_threads_started_and_prepared_before_it_loads():
     from services.common.grpc_server import STAGE_WORKERS
 
     stage = _Recording()
-    assert await asyncio.wait_for(serve(stage, "test.v1.Idle", lambda server, stage: None, _free_port()), 30) is False
+    assert await asyncio.wait_for(serve(stage, "test.v1.Idle", lambda server, stage: None, free_ports(1)[0]), 30) is False
     assert stage.prepared == {f"stage-worker_{i}" for i in range(STAGE_WORKERS)}
     assert stage.started_on in stage.prepared

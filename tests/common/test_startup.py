@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import pytest
 
 from services.common.grpc_server import Stage, serve
 from services.common.startup import ProgressFile, Steps, read_progress, report, size_text
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.cpu
 
@@ -82,11 +82,6 @@ class _SlowStart(Stage):
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _probe(port: int, path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.common.healthcheck", "--addr", f"127.0.0.1:{port}",
@@ -95,7 +90,7 @@ def _probe(port: int, path) -> subprocess.CompletedProcess:
 
 
 async def test_the_probe_prints_how_far_a_loading_stage_got_then_serving(tmp_path):
-    path, port = tmp_path / "progress.json", _free_port()
+    path, port = tmp_path / "progress.json", free_ports(1)[0]
     handler = ProgressFile(path)
     logging.getLogger().addHandler(handler)
     stage, ready = _SlowStart(), asyncio.Event()
@@ -118,7 +113,7 @@ async def test_the_probe_prints_how_far_a_loading_stage_got_then_serving(tmp_pat
 
 
 def test_the_probe_says_unreachable_when_nothing_listens(tmp_path):
-    result = _probe(_free_port(), tmp_path / "absent.json")
+    result = _probe(free_ports(1)[0], tmp_path / "absent.json")
     assert (result.returncode, result.stdout.strip()) == (1, "UNREACHABLE")
 
 

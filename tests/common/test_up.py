@@ -6,6 +6,7 @@ import pytest
 
 from services.common.config import load_profile
 from services.up import check_ports_free, service_commands
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.cpu
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,6 +29,15 @@ def test_a_taken_port_is_named(tmp_path):
         port = busy.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"port {port} \\(encoder\\) is already in use"):
             check_ports_free(_profile(tmp_path, port))
+
+
+def test_a_port_named_for_two_services_is_refused_with_both_names(tmp_path):
+    port = free_ports(1)[0]
+    text = (ROOT / "configs/tiny_cpu.yaml").read_text().replace("127.0.0.1:50051", f"127.0.0.1:{port}")
+    path = tmp_path / "p.yaml"
+    path.write_text(text.replace("port: 8000", f"port: {port}"))
+    with pytest.raises(RuntimeError, match=f"port {port} is named for both encoder and gateway"):
+        check_ports_free(load_profile(path))
 
 
 def test_every_service_runs_with_the_same_profile():

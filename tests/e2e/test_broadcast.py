@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from services.up import bring_up
+from tests.ports import free_ports
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
@@ -33,11 +34,6 @@ VIEWER_TOKEN = "viewer-token-0123456789ab"
 SESSION_TIMEOUT_S = 150.0
 TWO_REQUESTS = 124 + 119  # frames
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -54,12 +50,13 @@ def system(tmp_path_factory) -> System:
     raw["profile"] = "tiny_cpu_broadcast"
     raw["model"]["dir"] = str(tmp / "checkpoint")
     raw["model"]["write_if_missing"] = True
-    raw["endpoints"] = {name: f"127.0.0.1:{_free_port()}" for name in ("encoder", "dit", "vae")}
+    ports = iter(free_ports(4))
+    raw["endpoints"] = {name: f"127.0.0.1:{next(ports)}" for name in ("encoder", "dit", "vae")}
     for stage in ("encoder", "dit", "vae"):
         raw[stage]["metrics_port"] = 0
     (tmp / "directors").write_text(DIRECTOR_TOKEN + "\n")
     (tmp / "viewers").write_text(VIEWER_TOKEN + "\n")
-    raw["gateway"].update(port=(port := _free_port()), auth={
+    raw["gateway"].update(port=(port := next(ports)), auth={
         "enabled": True, "tokens_file": str(tmp / "directors"), "viewer_tokens_file": str(tmp / "viewers")},
         broadcast={"viewer_queue_chunks": 2, "viewer_max_skips": 1})
     profile = tmp / "profile.yaml"

@@ -14,7 +14,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -29,6 +28,7 @@ import yaml
 from services.client import ClientOptions, stream
 from services.supervisor import RestartPolicy, Supervisor
 from services.up import bring_up
+from tests.ports import free_ports
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
@@ -37,11 +37,6 @@ HEAL_TIMEOUT_S = 120.0
 POLICY = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=2.0, crash_loop_exits=20, crash_loop_window_s=300,
                        probe_interval_s=1.0, probe_failures=3, start_grace_s=300.0)
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -59,12 +54,13 @@ def node(tmp_path_factory) -> Node:
     raw["profile"] = "tiny_cpu_faults"
     raw["model"]["dir"] = str(tmp / "checkpoint")
     raw["model"]["write_if_missing"] = True
-    raw["endpoints"] = {name: f"127.0.0.1:{_free_port()}" for name in ("encoder", "dit", "vae")}
+    ports = iter(free_ports(7))
+    raw["endpoints"] = {name: f"127.0.0.1:{next(ports)}" for name in ("encoder", "dit", "vae")}
     metrics = {}
     for stage in ("encoder", "dit", "vae"):
-        raw[stage]["metrics_port"] = port = _free_port()
+        raw[stage]["metrics_port"] = port = next(ports)
         metrics[stage] = f"http://127.0.0.1:{port}/metrics"
-    raw["gateway"]["port"] = gateway_port = _free_port()
+    raw["gateway"]["port"] = gateway_port = next(ports)
     raw["gateway"]["stall_timeout_s"] = 30.0
     raw["gateway"]["backend_wait_s"] = 60.0
     profile = tmp / "profile.yaml"

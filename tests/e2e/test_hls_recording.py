@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
-import socket
 import threading
 import time
 import urllib.request
@@ -24,6 +23,7 @@ import yaml
 
 from services.up import bring_up
 from tests.gateway.test_hls import check_ll_hls_rules
+from tests.ports import free_ports
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
@@ -31,11 +31,6 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 SESSION_TIMEOUT_S = 180.0
 TWO_REQUESTS = 124 + 119  # frames
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -52,10 +47,11 @@ def system(tmp_path_factory) -> System:
     raw["profile"] = "tiny_cpu_hls"
     raw["model"]["dir"] = str(tmp / "checkpoint")
     raw["model"]["write_if_missing"] = True
-    raw["endpoints"] = {name: f"127.0.0.1:{_free_port()}" for name in ("encoder", "dit", "vae")}
+    ports = iter(free_ports(4))
+    raw["endpoints"] = {name: f"127.0.0.1:{next(ports)}" for name in ("encoder", "dit", "vae")}
     for stage in ("encoder", "dit", "vae"):
         raw[stage]["metrics_port"] = 0
-    raw["gateway"].update(port=(port := _free_port()), recordings_dir=str(tmp / "recordings"))
+    raw["gateway"].update(port=(port := next(ports)), recordings_dir=str(tmp / "recordings"))
     profile = tmp / "profile.yaml"
     profile.write_text(yaml.safe_dump(raw))
     supervisor = bring_up(profile)

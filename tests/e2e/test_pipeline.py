@@ -13,7 +13,6 @@ import io
 import json
 import pathlib
 import re
-import socket
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import yaml
 
 from services.client import ClientOptions, stream
 from services.up import SERVICES, bring_up
+from tests.ports import free_ports
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
@@ -41,11 +41,6 @@ FIRST_TWO_PHASES = [(0, 0), (0, 0), (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 
 DIT_ONLY_CANVAS = (320, 224)  # the gateway allows it in this profile, the DiT's short edges (192, 256) do not
 SESSION_TIMEOUT_S = 150.0
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -65,12 +60,13 @@ def system(tmp_path_factory) -> System:
     raw["profile"] = "tiny_cpu_e2e"
     raw["model"]["dir"] = str(tmp / "checkpoint")
     raw["model"]["write_if_missing"] = True
-    raw["endpoints"] = {name: f"127.0.0.1:{_free_port()}" for name in ("encoder", "dit", "vae")}
-    dit_metrics = _free_port()
+    ports = iter(free_ports(5))
+    raw["endpoints"] = {name: f"127.0.0.1:{next(ports)}" for name in ("encoder", "dit", "vae")}
+    dit_metrics = next(ports)
     raw["encoder"]["metrics_port"] = 0
     raw["vae"]["metrics_port"] = 0
     raw["dit"]["metrics_port"] = dit_metrics
-    raw["gateway"]["port"] = port = _free_port()
+    raw["gateway"]["port"] = port = next(ports)
     raw["gateway"]["allowed_canvases"] = [*raw["gateway"]["allowed_canvases"], list(DIT_ONLY_CANVAS)]
     profile = tmp / "profile.yaml"
     profile.write_text(yaml.safe_dump(raw))

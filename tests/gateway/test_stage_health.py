@@ -1,7 +1,6 @@
 """The gateway sees a stage go down the moment its process stops serving, and up again when a new process serves on
 the same address; each loss advances the stage's epoch. Real gRPC health servers on loopback."""
 import asyncio
-import socket
 import time
 
 import grpc
@@ -10,15 +9,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.gateway.stage_health import StageHealth
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.cpu
 NAME = "vitascope.dit.v1.DiT"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _serve(port: int, status) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
@@ -40,7 +35,7 @@ async def _until(predicate, timeout: float = 10.0) -> float:
 
 
 async def test_a_stage_is_down_until_serving_and_down_again_when_its_process_goes():
-    port = _free_port()
+    port = free_ports(1)[0]
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     downs = []
     watcher = StageHealth({"dit": channel}, {"dit": NAME}, retry_s=0.1, on_down=downs.append)
@@ -66,7 +61,7 @@ async def test_a_stage_is_down_until_serving_and_down_again_when_its_process_goe
 
 
 async def test_wait_ready_names_the_stages_still_down_at_the_deadline():
-    up_port, down_port = _free_port(), _free_port()
+    up_port, down_port = free_ports(2)
     server, _ = await _serve(up_port, health_pb2.HealthCheckResponse.SERVING)
     channels = {name: grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
                 for name, port in (("encoder", up_port), ("vae", down_port))}
