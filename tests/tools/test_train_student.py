@@ -401,6 +401,36 @@ def test_training_the_base_too_changes_it_and_exports_a_base_and_adapter_that_re
     assert (got - base_out).abs().max() > 1e-4  # the adapter is not a no-op on the exported base
 
 
+def test_a_caching_run_names_each_session_past_its_first_pass_instead_of_rendering_it_again():
+    sessions = student.Sessions(0.35, distinct=3, encoded_after=5)  # a run resumed at sample 5
+    first = [sessions[i] for i in range(5, 8)]
+    assert all(isinstance(clip, student.SessionClip) for clip in first)
+    assert [sessions[i] for i in range(8, 14)] == [student.SeenSession(first[i % 3].seed) for i in range(6)]
+    uncached = student.Sessions(0.35, distinct=3)[8]  # a run whose conditioner keeps nothing renders it again
+    assert uncached.seed == first[0].seed and torch.equal(uncached.frames, first[0].frames)
+
+
+@pytest.mark.slow
+def test_a_session_named_as_encoded_is_the_one_the_conditioner_kept_and_an_unknown_one_is_refused(trainer_inputs):
+    _, cond = trainer_inputs
+    clip = student.render_session(student.STUDENT_SEED + 7, 0.35)
+    encoded = student.encode_session(cond, clip)
+    assert student.encode_session(cond, student.SeenSession(clip.seed)) is encoded
+    with pytest.raises(KeyError, match="seed 12345 .* was named as encoded"):
+        student.encode_session(cond, student.SeenSession(12345))
+
+
+@pytest.mark.slow
+def test_a_student_over_distinct_sessions_renders_each_once_per_process(trainer_inputs, tmp_path, monkeypatch):
+    base_dir, cond = trainer_inputs
+    rendered = []
+    real = student.render_session
+    monkeypatch.setattr(student, "render_session", lambda seed, switch: rendered.append(seed) or real(seed, switch))
+    cfg = student.StudentRunConfig(rank=4, sessions=2, max_steps=3, distinct=2, warmup=1, log_every=1)
+    student.train(cfg, base_dir, cond, tmp_path / "state")
+    assert sorted(rendered) == [student.STUDENT_SEED, student.STUDENT_SEED + 1]  # step 0's; steps 1 and 2 name them
+
+
 @pytest.mark.slow
 def test_a_student_resumed_from_its_saved_state_trains_on_as_one_that_never_stopped(trainer_inputs, tmp_path):
     """A run that spans device calls (`run_from_scratch_gpu.sh`, FROM=) must train the model that one unbroken

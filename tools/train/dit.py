@@ -276,6 +276,14 @@ class Conditioner:
             self._cache[key] = make()
         return self._cache[key]
 
+    def held(self, seed: int, key: tuple) -> object:
+        """What this conditioner keeps under `key`: seed `seed`, which a worker named as encoded instead of rendering
+        it again."""
+        if self._cache is None or key not in self._cache:
+            raise KeyError(f"seed {seed} ({key}) was named as encoded, but this conditioner holds no such example: "
+                           "only a caching conditioner's run from its first sample may skip rendering")
+        return self._cache[key]
+
     def example(self, seed: int) -> Example:
         """The example of world seed `seed`."""
         return self.encode(render_clip(seed, self.frames))
@@ -287,11 +295,7 @@ class Conditioner:
     def encode(self, clip: Clip | TeacherClip | Seen) -> Example | TeacherExample:
         """The example of a rendered clip or teacher document, or of one already encoded (`Seen`)."""
         if isinstance(clip, Seen):
-            key = (clip.seed, clip.request_index, clip.opening)
-            if self._cache is None or key not in self._cache:
-                raise KeyError(f"seed {clip.seed} ({key}) was named as encoded, but this conditioner holds no such "
-                               "example: only a caching conditioner's run from its first sample may skip rendering")
-            return self._cache[key]
+            return self.held(clip.seed, (clip.seed, clip.request_index, clip.opening))
         if isinstance(clip, TeacherClip):
             return self.cached((clip.seed, clip.request_index, clip.opening), lambda: TeacherExample(
                 clip.caption, self.encode_caption(clip.caption), clip.request_index, self.encode_wave(clip.wave)))

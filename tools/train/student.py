@@ -110,20 +110,38 @@ def render_scenes(seed: int, scenes: list[world.Scene]) -> SessionClip:
                        torch.from_numpy(np.concatenate(waves, axis=1)))
 
 
+@dataclass(frozen=True)
+class SeenSession:
+    """A session this run has already encoded: nothing rendered, the conditioner's cache holds it."""
+
+    seed: int
+
+
 class Sessions(Dataset):
-    def __init__(self, switch: float, distinct: int | None = None) -> None:
-        self.switch, self.distinct = switch, distinct
+    """Session i of a run; over `distinct` sessions, i and i + distinct are one.
+
+    `encoded_after`: a run whose conditioner caches, from its first sample on: past the first `distinct` samples
+    every session has been encoded, so the workers name it (`SeenSession`) instead of rendering it again (a
+    session's frames are 45 MB that the step would only pin and drop)."""
+
+    def __init__(self, switch: float, distinct: int | None = None, encoded_after: int | None = None) -> None:
+        self.switch, self.distinct, self.encoded_after = switch, distinct, encoded_after
 
     def __len__(self) -> int:
         return 1 << 40
 
-    def __getitem__(self, i: int) -> SessionClip:
-        return render_session(STUDENT_SEED + (i % self.distinct if self.distinct else i), self.switch)
+    def __getitem__(self, i: int) -> SessionClip | SeenSession:
+        seed = STUDENT_SEED + (i % self.distinct if self.distinct else i)
+        if self.distinct and self.encoded_after is not None and i >= self.encoded_after + self.distinct:
+            return SeenSession(seed)
+        return render_session(seed, self.switch)
 
 
-def encode_session(cond: Conditioner, clip: SessionClip) -> Session:
+def encode_session(cond: Conditioner, clip: SessionClip | SeenSession) -> Session:
     """The frozen VAE encoders and text encoder on a rendered session (the base trainer's `Conditioner`, which
-    keeps it when it caches)."""
+    keeps it when it caches), or the one it keeps for a session named as encoded."""
+    if isinstance(clip, SeenSession):
+        return cond.held(clip.seed, ("session", clip.seed))
     return cond.cached(("session", clip.seed), lambda: Session(
         tuple(cond.encode_caption(c) for c in clip.captions),
         cond.encode_frames(clip.frames),  # [72, C, h, w]
@@ -341,8 +359,9 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
     state_dir.mkdir(parents=True, exist_ok=True)
     loader = dict(batch_size=None, num_workers=cfg.workers, pin_memory=device.type == "cuda",
                   prefetch_factor=4 if cfg.workers else None)
-    clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct), sampler=IndexRange(state.step * cfg.sessions),
-                            generator=torch.Generator(), **loader))
+    first = state.step * cfg.sessions
+    clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct, encoded_after=first if cond.caches else None),
+                            sampler=IndexRange(first), generator=torch.Generator(), **loader))
     first_base = state.step * cfg.base_accum
     base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, distinct=cfg.distinct, teacher_docs=cfg.teacher_docs,
                                        openings=cfg.openings, encoded_after=first_base if cond.caches else None),
