@@ -32,7 +32,6 @@ class _Idle(Stage):
         return self.fail_after_start
 
 
-
 V4_MAPPED = "0000000000000000FFFF0000"
 
 

@@ -82,7 +82,6 @@ class _SlowStart(Stage):
         pass
 
 
-
 def _probe(port: int, path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.common.healthcheck", "--addr", f"127.0.0.1:{port}",
                            "--service", "test.v1.Slow", "--progress-file", str(path)],

@@ -35,7 +35,6 @@ SESSION_TIMEOUT_S = 150.0
 TWO_REQUESTS = 124 + 119  # frames
 
 
-
 @dataclass(frozen=True)
 class System:
     port: int

@@ -38,7 +38,6 @@ POLICY = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=2.0, crash_loop_exit
                        probe_interval_s=1.0, probe_failures=3, start_grace_s=300.0)
 
 
-
 @dataclass
 class Node:
     supervisor: Supervisor

@@ -32,7 +32,6 @@ SESSION_TIMEOUT_S = 180.0
 TWO_REQUESTS = 124 + 119  # frames
 
 
-
 @dataclass(frozen=True)
 class System:
     http_url: str

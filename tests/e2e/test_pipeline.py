@@ -42,7 +42,6 @@ DIT_ONLY_CANVAS = (320, 224)  # the gateway allows it in this profile, the DiT's
 SESSION_TIMEOUT_S = 150.0
 
 
-
 @dataclass(frozen=True)
 class System:
     ws_url: str

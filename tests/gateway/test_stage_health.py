@@ -15,7 +15,6 @@ pytestmark = pytest.mark.cpu
 NAME = "vitascope.dit.v1.DiT"
 
 
-
 async def _serve(port: int, status) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server()
     servicer = health.aio.HealthServicer()

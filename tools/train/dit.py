@@ -213,6 +213,12 @@ def render_teacher_clip(seed: int, request_index: int) -> TeacherClip:
     return _render_teacher(seed, scene, start, request_index)
 
 
+def encoded_before(i: int, distinct: int | None, encoded_after: int | None) -> bool:
+    """Whether sample i of a run over `distinct` seeds, whose conditioner caches from sample `encoded_after` on,
+    has its seed encoded by an earlier sample of this process (then a worker names it instead of rendering it)."""
+    return bool(distinct) and encoded_after is not None and i >= encoded_after + distinct
+
+
 class Clips(Dataset):
     """Sample i: what seed `base + i` renders to (`base + i % distinct` when only `distinct` seeds are used), a
     teacher document for a `teacher_docs` fraction of the seeds and an opening clip for an `openings` fraction of
@@ -232,7 +238,7 @@ class Clips(Dataset):
 
     def __getitem__(self, i: int) -> Clip | TeacherClip | Seen:
         seed = self.base + (i % self.distinct if self.distinct else i)
-        if self.distinct and self.encoded_after is not None and i >= self.encoded_after + self.distinct:
+        if encoded_before(i, self.distinct, self.encoded_after):
             return seen(seed, self.teacher_docs, self.openings)
         return render_example(seed, self.frames, self.teacher_docs, self.openings)
 

@@ -48,7 +48,7 @@ from services.dit.stream.geometry import PhasePlan, plan_request
 from services.dit.stream.runtime import renormalise
 from services.dit.stream.schedule import AUDIO_SIGMAS, TEACHER_MILESTONES, TEACHER_SIGMAS, VIDEO_SIGMAS, euler_step
 from tools.train import world
-from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner
+from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner, encoded_before
 from tools.train.documents import document, document_losses, window_means
 from tools.train.session_batch import Session, SessionBatch, forward, retained
 from tools.train.train_state import EMA, StepClock, TrainState, run_over
@@ -132,7 +132,7 @@ class Sessions(Dataset):
 
     def __getitem__(self, i: int) -> SessionClip | SeenSession:
         seed = STUDENT_SEED + (i % self.distinct if self.distinct else i)
-        if self.distinct and self.encoded_after is not None and i >= self.encoded_after + self.distinct:
+        if encoded_before(i, self.distinct, self.encoded_after):
             return SeenSession(seed)
         return render_session(seed, self.switch)
 
