@@ -1,6 +1,8 @@
 """The judge's scoring (tools/train/judge.py) on what a phase shows, without streaming: a phase scores right only
 for the typed colour on the typed background, the typed tone and, for a still shape, the typed outline; the first
 phase's speed is the world's for a rendered motion."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -68,12 +70,13 @@ def test_totals_count_the_still_pairs_and_the_moving_ones_apart():
                                    "moving": {"colour": [1, 2], "tone": [2, 2], "outline": [0, 0]}}
 
 
-def _figures(outline=73, colour=84, up=0.77, bounce=0.35) -> dict:
+def _figures(outline=73, colour=84, up=0.77, bounce=0.35, place=2.2) -> dict:
     """`judge`'s output as run D's model scored it (docs/training.md, "Run D's model"), with figures to vary."""
     return {"totals": {"still": {"colour": [colour, 84], "tone": [84, 84], "outline": [outline, 84]},
                        "moving": {"colour": [27, 27], "tone": [27, 27], "outline": [0, 0]}},
             "speeds": {"left": {"path_iou": 0.65}, "right": {"path_iou": 0.59}, "up": {"path_iou": up},
-                       "down": {"path_iou": 0.76}, "bounce": {"path_iou": bounce}}}
+                       "down": {"path_iou": 0.76}, "bounce": {"path_iou": bounce}},
+            "place": {"1": 1.6, "2": 1.5, "3": 1.0, "4": 1.2, "5": place}}
 
 
 def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_held_to_it():
@@ -85,6 +88,7 @@ def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_
     (_figures(outline=59), "still outline 59/84 (floor 60)"),
     (_figures(colour=83), "still colour 83/84 (floor 84)"),
     (_figures(up=0.45), "path IoU moving up 0.45 (floor 0.45)"),
+    (_figures(place=14.8), "still opening at seed 5 14.8 px from the centre (at most 8)"),
 ])
 def test_each_figure_below_the_floor_is_named_with_its_value_and_only_it(figures, named):
     assert judge.shortfalls(figures) == [named]
@@ -95,3 +99,13 @@ def test_the_worst_balance_is_the_largest_stray_either_way_and_names_its_request
                 coverage=0.1, shape="circle", pitch_hz=640.0, balance_db=db)
            for r, db in enumerate((0.8, -2.5, 1.9, -6.3, 4.0))]
     assert judge.worst_balance(lks) == (6.3, 3)
+
+
+def test_the_worst_place_is_request_0s_farthest_phase_from_the_worlds_centre_and_no_shape_is_far():
+    scene = world.opening_scene(*judge.PLACED)
+    lks = [Look(request=r, phase=p, colour=(60, 106, 239), background=(10, 10, 12), centroid=(x, 94.0),
+                coverage=0.1, shape="square", pitch_hz=440.0, balance_db=0.0)
+           for r, p, x in ((0, 0, 165.2), (0, 1, 151.1), (0, 2, 158.0), (1, 0, 190.0))]
+    assert judge.worst_place(lks, scene) == pytest.approx(8.9)  # request 1 is not the opening's
+    lks[2] = dataclasses.replace(lks[2], centroid=(-1.0, -1.0))  # a phase with no shape
+    assert judge.worst_place(lks, scene) > judge.PLACE_LIMIT

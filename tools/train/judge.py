@@ -13,7 +13,11 @@ The sessions (`tools.train.sample` streams and measures each):
   world's path over both requests (`path_iou`) and, but for the bounce, its speed along its axis over the first
   phase (a line fitted to its centroid) against the world's;
 - a centred still circle of each colour on black, held for HELD_REQUESTS requests: how far its sound strays from
-  the centre (`worst_balance`; the world's is 0 dB).
+  the centre (`worst_balance`; the world's is 0 dB);
+- a still blue square's opening request at each of PLACE_SEEDS: how far the shape stands from the world's centre
+  (`worst_place`). The audio teacher's balance in a session's opening varies with the seed by several dB either
+  way (run D's as well); a student that reads the place from the sound rather than the caption moves the picture
+  with it, which one seed alone can hide.
 
 Prints a line a session and the totals; `--json` writes them. `--floor` also holds the figures to the floor a
 retraining must reach to count as reproducing the shipped model (run D's, less a margin; docs/training.md, "Run
@@ -57,6 +61,12 @@ OUTLINE_FLOOR = 60
 """Still phases whose outline must read right, of 84 (run D: 73); colour and tone must be right in every phase."""
 PATH_FLOOR = 0.45
 """Path IoU each motion at one speed must pass (run D: 0.59-0.77); the bounce is not learnt (run D: 0.35)."""
+PLACE_SEEDS = (1, 2, 3, 4, 5)
+"""Seeds of the opening-place sessions (seed 0 is every other session's, and the meaning tests')."""
+PLACE_LIMIT = 8.0
+"""px the still opening may stand from the world's centre, along x, in any phase of its request at any seed (run D:
+2.2; the meaning tests hold seed 0 to the same)."""
+PLACED: Grammar = ("square", "blue", "black", "still")
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,12 @@ def worst_balance(lks: list[Look]) -> tuple[float, int]:
     return abs(worst.balance_db), worst.request
 
 
+def worst_place(lks: list[Look], scene: world.Scene) -> float:
+    """The largest |x - x0| (px) of request 0's phases: how far a still opening's shape stands from where the world
+    puts it (the centre); a phase that shows no shape has x -1 (`sample.look`), far from it."""
+    return max(abs(lk.centroid[0] - scene.x0) for lk in lks if lk.request == 0)
+
+
 def world_speed(motion: str) -> float:
     """px a frame the world moves a shape along its axis (image y grows downwards)."""
     speed = world.HORIZONTAL_SPEED if motion in ("left", "right") else world.VERTICAL_SPEED
@@ -156,7 +172,13 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
         db, request = worst_balance(looks(stream))
         balance[colour] = dict(worst_db=db, request=request)
         print(f"held {colour}: |R-L| at most {db:.1f} dB, in request {request}", flush=True)
-    return dict(pairs=pairs, speeds=speeds, balance=balance, totals=totals(pairs))
+    place = {}
+    scene = world.opening_scene(*PLACED)
+    for seed in PLACE_SEEDS:
+        stream = sample(tree, scene.caption, [], requests=1, seed=seed, service_log=str(log_dir / f"place{seed}.log"))
+        place[str(seed)] = worst_place(looks(stream), scene)
+        print(f"still opening, seed {seed}: |x - {scene.x0:.0f}| at most {place[str(seed)]:.1f} px", flush=True)
+    return dict(pairs=pairs, speeds=speeds, balance=balance, place=place, totals=totals(pairs))
 
 
 def totals(pairs: list[dict]) -> dict:
@@ -170,8 +192,8 @@ def totals(pairs: list[dict]) -> dict:
 
 
 def shortfalls(figures: dict) -> list[str]:
-    """The figures of `judge`'s output below the floor (OUTLINE_FLOOR, PATH_FLOOR, every colour and tone), each
-    named with its value; empty when the model reaches it."""
+    """The figures of `judge`'s output below the floor (OUTLINE_FLOOR, PATH_FLOOR, every colour and tone,
+    PLACE_LIMIT), each named with its value; empty when the model reaches it."""
     short = []
     for kind, parts in figures["totals"].items():
         for f, (right, n) in parts.items():
@@ -182,6 +204,9 @@ def shortfalls(figures: dict) -> list[str]:
         iou = figures["speeds"][motion]["path_iou"]
         if not iou > PATH_FLOOR:
             short.append(f"path IoU moving {motion} {iou:.2f} (floor {PATH_FLOOR})")
+    for seed, px in figures["place"].items():
+        if not px <= PLACE_LIMIT:
+            short.append(f"still opening at seed {seed} {px:.1f} px from the centre (at most {PLACE_LIMIT:.0f})")
     return short
 
 
