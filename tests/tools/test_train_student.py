@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -233,6 +234,29 @@ def test_a_switched_session_changes_caption_at_request_one_and_keeps_the_shape_w
     assert clip.frames.shape[0] == student.SESSION_FRAMES and clip.wave.shape[1] == 405 * 800
 
 
+def _balance_db(wave: torch.Tensor) -> float:
+    left, right = (wave ** 2).mean(dim=1).sqrt().tolist()
+    return 10 * math.log10((right / left) ** 2)
+
+
+def test_a_sessions_sound_stands_its_own_offset_to_the_side_of_its_picture_with_sound_spread():
+    seeds = [s for s in range(student.STUDENT_SEED, student.STUDENT_SEED + 40)
+             if student.session_scenes(s, 0.35)[0].motion == "still"][:3]
+    offsets = [student.sound_offset(s, 48.0) for s in seeds]
+    assert len(set(offsets)) == 3 and offsets == [student.sound_offset(s, 48.0) for s in seeds]
+    request0 = plan_request(0).num_audio_latents * 800  # samples of request 0's sound
+    for seed, dx in zip(seeds, offsets):
+        plain, moved = student.render_session(seed, 0.35), student.render_session(seed, 0.35, sound_spread=48.0)
+        assert torch.equal(moved.frames, plain.frames) and moved.captions == plain.captions
+        opening = world.moved_sideways(student.session_scenes(seed, 0.35)[0], dx)
+        want = 20 * math.log10(math.tan(opening.x0 / world.WIDTH * math.pi / 2))
+        assert _balance_db(moved.wave[:, :request0]) == pytest.approx(want, abs=0.1)  # request 0's sound
+        assert abs(_balance_db(plain.wave[:, :request0])) < 0.1  # an opening stands at the centre
+    assert student.sound_offset(seeds[0], 0.0) == 0.0
+    spread = np.std([student.sound_offset(s, 48.0) for s in range(2000)])
+    assert spread == pytest.approx(48.0, rel=0.05)
+
+
 def test_sessions_open_on_the_captions_own_scene():
     a, b = (student.session_scenes(seed, switch=0.0)[0] for seed in (1, 2))
     if a.caption == b.caption:
@@ -425,7 +449,7 @@ def test_a_student_over_distinct_sessions_renders_each_once_per_process(trainer_
     base_dir, cond = trainer_inputs
     rendered = []
     real = student.render_session
-    monkeypatch.setattr(student, "render_session", lambda seed, switch: rendered.append(seed) or real(seed, switch))
+    monkeypatch.setattr(student, "render_session", lambda seed, *rest: rendered.append(seed) or real(seed, *rest))
     cfg = student.StudentRunConfig(rank=4, sessions=2, max_steps=3, distinct=2, warmup=1, log_every=1)
     student.train(cfg, base_dir, cond, tmp_path / "state")
     assert sorted(rendered) == [student.STUDENT_SEED, student.STUDENT_SEED + 1]  # step 0's; steps 1 and 2 name them

@@ -152,6 +152,17 @@ def test_the_balance_moves_right_with_a_shape_moving_right_and_never_jumps_as_it
     assert np.abs(np.diff(left)).max() < 1e-3 and np.abs(np.diff(right)).max() < 1e-3
 
 
+def test_a_shape_moved_sideways_keeps_its_loudness_and_stays_inside_unless_it_wraps():
+    still = Scene("square", "red", "black", "still", 44.0, 160.0, 96.0)
+    assert world.moved_sideways(still, 40.0) == Scene("square", "red", "black", "still", 44.0, 200.0, 96.0)
+    pushed = world.moved_sideways(still, 500.0)  # as far right as it fits, its sound as loud as at the centre
+    assert pushed.x0 + pushed.reach[0] <= WIDTH
+    loudness = [np.sqrt((render_audio(s, 0, SAMPLE_RATE) ** 2).sum(0).mean()) for s in (still, pushed)]
+    assert loudness[1] == pytest.approx(loudness[0], rel=0.01)
+    moving = Scene("circle", "white", "black", "left", 44.0, 300.0, 96.0)
+    assert world.moved_sideways(moving, 40.0).x0 == 340.0  # wraps: its centre goes on from the left edge
+
+
 def test_consecutive_windows_join_without_a_seam():
     scene = world.scene_from_seed(3)
     assert np.array_equal(render_video(scene, 0, 30), np.concatenate([render_video(scene, 0, 13),

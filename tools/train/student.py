@@ -15,6 +15,10 @@ what the runtime (`services.dit.stream.runtime`) asks of the student, forward fo
   before phase n >= 3, commit 0's video rows (the sink) and commits n - 2 and n - 1 whole (`kv_cache`).
 - The audio rows a student forward sees are the audio teacher's states at that step (noise, then its states 3 and
   6, at the teacher's sigmas): here the clean audio noised to those sigmas. The commit takes the clean audio.
+  With `--sound-spread S`, a session's sound is rendered with its shape S px (one normal draw a session, the same
+  in every request) to the side of where its frames show it: the served teacher writes a session's sound from the
+  caption and its own tail, and places a still opening several dB either way of the centre, so a student that
+  reads the place from the balance moves the picture with it (docs/training.md, "Run F").
 - Student step s's video input is the clean latents noised to sigma_s with the phase's noise, or, with
   probability `--self-rollout`, the Euler state the student's own earlier steps reached (as served). The loss is the
   x0 error of every step's prediction (x0_hat = x + sigma v) against the clean latents; the commits carry gradients
@@ -59,6 +63,7 @@ log = logging.getLogger("tools.train.student")
 REQUESTS = 2
 SESSION_FRAMES = 243  # request 0's 124 + request 1's 119: 72 latents, 17k + 5 frames as the VAE encodes them
 STUDENT_SEED = 1 << 20  # sessions never reuse the base trainer's clip seeds
+SOUND_STREAM = 7  # the second key of a session's sound offset draw (`sound_offset`)
 STEPS = len(VIDEO_SIGMAS) - 1
 AUDIO_STEP_SIGMAS = (1.0,) + tuple(TEACHER_SIGMAS[m] for m in TEACHER_MILESTONES[:-1])
 """Sigma of the audio a student step is given: noise, then the teacher's states 3 and 6."""
@@ -93,19 +98,27 @@ def session_scenes(seed: int, switch: float) -> list[world.Scene]:
     return scenes
 
 
-def render_session(seed: int, switch: float) -> SessionClip:
+def sound_offset(seed: int, spread: float) -> float:
+    """How far (px, rightwards) session `seed`'s sound stands from its picture: a normal draw of deviation `spread`,
+    from a stream of its own (the session's scenes draw as without it); 0 when `spread` is 0."""
+    return float(np.random.default_rng((seed, SOUND_STREAM)).normal(0.0, spread)) if spread > 0 else 0.0
+
+
+def render_session(seed: int, switch: float, sound_spread: float = 0.0) -> SessionClip:
     """Frames and sound of session `seed`, each request from its own scene (a switch cuts at the boundary; the
-    audio cuts at the request's first audio latent)."""
-    return render_scenes(seed, session_scenes(seed, switch))
+    audio cuts at the request's first audio latent); the sound `sound_offset` to the side."""
+    return render_scenes(seed, session_scenes(seed, switch), sound_offset(seed, sound_spread))
 
 
-def render_scenes(seed: int, scenes: list[world.Scene]) -> SessionClip:
-    """Frames and sound of a session whose request k shows `scenes[k]` (`seed` names it, e.g. for a cache)."""
+def render_scenes(seed: int, scenes: list[world.Scene], sound_dx: float = 0.0) -> SessionClip:
+    """Frames and sound of a session whose request k shows `scenes[k]` (`seed` names it, e.g. for a cache), its
+    sound rendered from the scene moved `sound_dx` px sideways (`world.moved_sideways`)."""
     frames, waves = [], []
     for k, scene in enumerate(scenes):
         plan = plan_request(k)
         frames.append(world.render_video(scene, plan.frame_start, plan.num_frames))
-        waves.append(world.render_audio(scene, plan.audio_start * HOP, plan.num_audio_latents * HOP))
+        heard = world.moved_sideways(scene, sound_dx) if sound_dx else scene
+        waves.append(world.render_audio(heard, plan.audio_start * HOP, plan.num_audio_latents * HOP))
     return SessionClip(seed, tuple(s.caption for s in scenes), torch.from_numpy(np.concatenate(frames)),
                        torch.from_numpy(np.concatenate(waves, axis=1)))
 
@@ -124,8 +137,10 @@ class Sessions(Dataset):
     every session has been encoded, so the workers name it (`SeenSession`) instead of rendering it again (a
     session's frames are 45 MB that the step would only pin and drop)."""
 
-    def __init__(self, switch: float, distinct: int | None = None, encoded_after: int | None = None) -> None:
+    def __init__(self, switch: float, distinct: int | None = None, encoded_after: int | None = None,
+                 sound_spread: float = 0.0) -> None:
         self.switch, self.distinct, self.encoded_after = switch, distinct, encoded_after
+        self.sound_spread = sound_spread
 
     def __len__(self) -> int:
         return 1 << 40
@@ -134,7 +149,7 @@ class Sessions(Dataset):
         seed = STUDENT_SEED + (i % self.distinct if self.distinct else i)
         if encoded_before(i, self.distinct, self.encoded_after):
             return SeenSession(seed)
-        return render_session(seed, self.switch)
+        return render_session(seed, self.switch, self.sound_spread)
 
 
 def encode_session(cond: Conditioner, clip: SessionClip | SeenSession) -> Session:
@@ -293,6 +308,9 @@ class StudentRunConfig:
     served_from: int = 0
     """The step from which `self_commit` and `sink_gap` apply: the history as served is for a student that already
     draws the scene (run D's took them from step 468, at x0 about 0.2)."""
+    sound_spread: float = 0.0
+    """px: each session's sound stands a normal draw of this deviation to the side of its picture
+    (`sound_offset`)."""
     self_rollout: float = 0.5
     minutes: float = 8.0
     max_steps: int | None = None
@@ -360,7 +378,8 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
     loader = dict(batch_size=None, num_workers=cfg.workers, pin_memory=device.type == "cuda",
                   prefetch_factor=4 if cfg.workers else None)
     first = state.step * cfg.sessions
-    clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct, encoded_after=first if cond.caches else None),
+    clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct, encoded_after=first if cond.caches else None,
+                                     sound_spread=cfg.sound_spread),
                             sampler=IndexRange(first), generator=torch.Generator(), **loader))
     first_base = state.step * cfg.base_accum
     base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, distinct=cfg.distinct, teacher_docs=cfg.teacher_docs,
@@ -448,8 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
     for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_commit", "sink_gap",
-                 "served_from", "self_rollout", "minutes", "max_steps", "save_every", "log_every", "distinct",
-                 "workers", "base_lr", "base_accum", "teacher_docs", "openings"):
+                 "served_from", "sound_spread", "self_rollout", "minutes", "max_steps", "save_every", "log_every",
+                 "distinct", "workers", "base_lr", "base_accum", "teacher_docs", "openings"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
@@ -473,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
                            switch=args.switch, first_phase_weight=args.first_phase_weight,
                            self_commit=args.self_commit, sink_gap=args.sink_gap, served_from=args.served_from,
-                           self_rollout=args.self_rollout, minutes=args.minutes,
+                           sound_spread=args.sound_spread, self_rollout=args.self_rollout, minutes=args.minutes,
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,
                            base_lr=args.base_lr, base_accum=args.base_accum, teacher_docs=args.teacher_docs,

@@ -33,7 +33,7 @@ Canvas: 320x192 at 24 fps (the tiny preset's default canvas), audio 32 kHz stere
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -340,6 +340,13 @@ def _inside(scene: Scene, x: float, y: float) -> tuple[float, float]:
     if scene.motion not in ("up", "down"):
         y = min(max(y, above + _MARGIN), HEIGHT - below - _MARGIN)
     return x, y
+
+
+def moved_sideways(scene: Scene, dx: float) -> Scene:
+    """`scene` with its centre `dx` px to the right, kept inside the canvas on an axis it does not wrap on (so its
+    sound moves in the balance and keeps its loudness)."""
+    x, _ = _inside(scene, scene.x0 + dx, scene.y0)
+    return replace(scene, x0=x)
 
 
 def opening_scene(shape: str, colour: str, background: str, motion: str, size: float = OPENING_SIZE) -> Scene:
