@@ -445,14 +445,18 @@ def test_a_session_named_as_encoded_is_the_one_the_conditioner_kept_and_an_unkno
 
 
 @pytest.mark.slow
-def test_a_student_over_distinct_sessions_renders_each_once_per_process(trainer_inputs, tmp_path, monkeypatch):
+def test_a_student_over_distinct_sessions_renders_each_once_per_process_with_its_sound_spread(
+        trainer_inputs, tmp_path, monkeypatch):
     base_dir, cond = trainer_inputs
     rendered = []
     real = student.render_session
-    monkeypatch.setattr(student, "render_session", lambda seed, *rest: rendered.append(seed) or real(seed, *rest))
-    cfg = student.StudentRunConfig(rank=4, sessions=2, max_steps=3, distinct=2, warmup=1, log_every=1)
+    monkeypatch.setattr(student, "render_session",
+                        lambda seed, *rest: rendered.append((seed, *rest)) or real(seed, *rest))
+    cfg = student.StudentRunConfig(rank=4, sessions=2, max_steps=3, distinct=2, warmup=1, log_every=1,
+                                   sound_spread=48.0)
     student.train(cfg, base_dir, cond, tmp_path / "state")
-    assert sorted(rendered) == [student.STUDENT_SEED, student.STUDENT_SEED + 1]  # step 0's; steps 1 and 2 name them
+    seeds = [student.STUDENT_SEED, student.STUDENT_SEED + 1]  # step 0's; steps 1 and 2 name them
+    assert sorted(rendered) == [(seed, cfg.switch, 48.0) for seed in seeds]
 
 
 @pytest.mark.slow
