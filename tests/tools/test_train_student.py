@@ -460,6 +460,25 @@ def test_a_student_over_distinct_sessions_renders_each_once_per_process_with_its
 
 
 @pytest.mark.slow
+def test_a_resume_with_another_sound_spread_is_refused_and_a_state_from_before_the_knob_trained_without_it(
+        trainer_inputs, tmp_path):
+    from dataclasses import replace
+    base_dir, cond = trainer_inputs
+    cfg = student.StudentRunConfig(rank=4, sessions=1, max_steps=1, warmup=1, sound_spread=48.0)
+    student.train(cfg, base_dir, cond, tmp_path / "f")
+    with pytest.raises(ValueError, match="holds a run with {'sound_spread': 48.0}"):
+        student.train(replace(cfg, sound_spread=0.0), base_dir, cond, tmp_path / "f")
+    student.train(replace(cfg, sound_spread=0.0), base_dir, cond, tmp_path / "e")
+    path = tmp_path / "e" / "state.pt"
+    saved = torch.load(path, weights_only=False)
+    del saved["meta"]["sound_spread"]  # as run E's states were saved
+    torch.save(saved, path)
+    with pytest.raises(ValueError, match="holds a run with {'sound_spread': 0.0}"):
+        student.train(replace(cfg, max_steps=2), base_dir, cond, tmp_path / "e")
+    assert student.train(replace(cfg, sound_spread=0.0, max_steps=2), base_dir, cond, tmp_path / "e")[0].step == 2
+
+
+@pytest.mark.slow
 def test_a_student_resumed_from_its_saved_state_trains_on_as_one_that_never_stopped(trainer_inputs, tmp_path):
     """A run that spans device calls (`run_from_scratch_gpu.sh`, FROM=) must train the model that one unbroken
     process would: every draw (the noise, the self-rollouts, the served history's commits and sink gaps) goes on

@@ -373,7 +373,8 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
     generator = torch.Generator().manual_seed(cfg.seed)  # the noise, rollouts and served history's draws
     state = TrainState(model, EMA(model, cfg.ema_decay), optimizer, generators={"student": generator})
     torch.manual_seed(cfg.seed)
-    state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions, train_base=cfg.train_base))
+    state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions, train_base=cfg.train_base,
+                                      sound_spread=cfg.sound_spread), before=dict(sound_spread=0.0))
     state_dir.mkdir(parents=True, exist_ok=True)
     loader = dict(batch_size=None, num_workers=cfg.workers, pin_memory=device.type == "cuda",
                   prefetch_factor=4 if cfg.workers else None)

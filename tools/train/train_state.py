@@ -110,16 +110,18 @@ class TrainState:
         log.info("saved step %d to %s", self.step, path)
         return path
 
-    def load(self, directory: Path, expect: dict) -> dict | None:
+    def load(self, directory: Path, expect: dict, before: dict | None = None) -> dict | None:
         """Restore from `directory/state.pt` if it exists; return its meta (None when there is nothing to resume).
 
         Raises ValueError, before touching the model, when the saved meta disagrees with `expect` on any key
-        (another model or other dims were trained there)."""
+        (another model or other dims, or another recipe, were trained there). `before`: the value a key had in
+        states saved before the trainer recorded it."""
         path = directory / STATE_FILE
         if not path.is_file():
             return None
         saved = torch.load(path, map_location="cpu", weights_only=False)
-        wrong = {k: saved["meta"].get(k) for k, v in expect.items() if saved["meta"].get(k) != v}
+        meta = {**(before or {}), **saved["meta"]}
+        wrong = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
         if wrong:
             raise ValueError(f"{path} holds a run with {wrong}, not {expect}; use another state directory")
         self.model.load_state_dict(saved["model"])
