@@ -52,6 +52,7 @@ from services.dit.stream.geometry import PhasePlan, plan_request
 from services.dit.stream.runtime import renormalise
 from services.dit.stream.schedule import AUDIO_SIGMAS, TEACHER_MILESTONES, TEACHER_SIGMAS, VIDEO_SIGMAS, euler_step
 from tools.train import world
+from tools.train.ahead import Ahead
 from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner, encoded_before
 from tools.train.documents import document, document_losses, window_means
 from tools.train.session_batch import Session, SessionBatch, forward, retained
@@ -365,6 +366,16 @@ def base_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.replace(".base_layer.", "."): v for k, v in weights.items() if not is_lora(k)}
 
 
+def steps_ahead(cfg: StudentRunConfig, caches: bool) -> int:
+    """How many steps' inputs `train` encodes ahead of its steps: in a run whose conditioner caches, as many as fill
+    its bank of sessions and, with `train_base`, the base's cache (what is encoded is kept there anyway, so being
+    ahead costs no memory); else one step's."""
+    if not caches or cfg.distinct is None:
+        return 1
+    return max(math.ceil(cfg.distinct / cfg.sessions),
+               math.ceil(cfg.distinct / cfg.base_accum) if cfg.train_base else 1)
+
+
 def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path) -> tuple[TrainState, LoRAAdapter]:
     device = cond.device
     model, adapter = build(base, device, cfg)
@@ -388,56 +399,63 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                                  sampler=IndexRange(first_base), generator=torch.Generator(),
                                  **loader)) if cfg.train_base else None
     started, seconds_before, window, base_window = time.monotonic(), state.seconds, [], []
-    while True:
-        for group in optimizer.param_groups:
-            group["lr"] = group["peak"] * min(1.0, (state.step + 1) / cfg.warmup)
-        clock = StepClock(device, on=(state.step + 1) % cfg.log_every == 0)
-        optimizer.zero_grad(set_to_none=True)
-        batch = SessionBatch([encode_session(cond, next(clips)) for _ in range(cfg.sessions)], device)
-        rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
-        own, gaps = served_history(cfg, state.step, generator)
-        clock.mark("sessions")
-        loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight, own, gaps)
-        clock.mark("student_forward")
-        loss.total.backward()
-        clock.mark("student_backward")
-        if base_clips is not None:
-            with adapter.suspended():  # the base's own objective, LoRA off
+
+    def encoded_step() -> tuple[list[Session], list]:
+        """One step's sessions and base examples, encoded (the bank and the base's cache fill from them)."""
+        return ([encode_session(cond, next(clips)) for _ in range(cfg.sessions)],
+                [cond.encode(next(base_clips)) for _ in range(cfg.base_accum)] if base_clips is not None else [])
+    with Ahead(encoded_step, steps_ahead(cfg, cond.caches), name="student-inputs") as inputs:
+        while True:
+            for group in optimizer.param_groups:
+                group["lr"] = group["peak"] * min(1.0, (state.step + 1) / cfg.warmup)
+            clock = StepClock(device, on=(state.step + 1) % cfg.log_every == 0)
+            optimizer.zero_grad(set_to_none=True)
+            sessions, examples = inputs.next()
+            batch = SessionBatch(sessions, device)
+            rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
+            own, gaps = served_history(cfg, state.step, generator)
+            clock.mark("sessions")
+            loss = session_loss(model, batch, generator, rollout, cfg.first_phase_weight, own, gaps)
+            clock.mark("student_forward")
+            loss.total.backward()
+            clock.mark("student_backward")
+            if base_clips is not None:
+                with adapter.suspended():  # the base's own objective, LoRA off
+                    set_trainable(model, True)
+                    docs = [document(ex, device) for ex in examples]
+                    base_loss, parts = document_losses(model, docs)
+                    base_loss.backward()
+                    base_window.extend(parts)
                 set_trainable(model, True)
-                docs = [document(cond.encode(next(base_clips)), device) for _ in range(cfg.base_accum)]
-                base_loss, parts = document_losses(model, docs)
-                base_loss.backward()
-                base_window.extend(parts)
-            set_trainable(model, True)
-            clock.mark("base")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(groups[0]["params"], 1.0))
-        for group in groups[1:]:  # the base's gradients are clipped on their own scale
-            torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
-        optimizer.step()
-        state.step += 1
-        state.ema.update(model, state.step)
-        clock.mark("optimizer")
-        elapsed = time.monotonic() - started
-        state.seconds = seconds_before + elapsed
-        window.append(loss.steps)
-        if state.step % cfg.log_every == 0:
-            steps = np.mean(window, axis=0)
-            record = dict(step=state.step, x0=[round(float(s), 5) for s in steps], grad_norm=grad_norm,
-                          seconds=round(state.seconds, 1))
-            if base_window:
-                record["base"] = window_means(base_window)
-            record["timing"] = clock.parts  # this step's alone
-            with (state_dir / "log.jsonl").open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
-            log.info("student step %d x0 %s%s", state.step, " ".join(f"{s:.4f}" for s in steps),
-                     f" base {record['base']}" if base_window else "")
-            window.clear()
-            base_window.clear()
-        done = run_over(state_dir, elapsed, cfg.minutes, state.step, cfg.max_steps)
-        if done or state.step % cfg.save_every == 0:
-            state.save(state_dir, dict(vars(cfg)))
-        if done:
-            return state, adapter
+                clock.mark("base")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(groups[0]["params"], 1.0))
+            for group in groups[1:]:  # the base's gradients are clipped on their own scale
+                torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
+            optimizer.step()
+            state.step += 1
+            state.ema.update(model, state.step)
+            clock.mark("optimizer")
+            elapsed = time.monotonic() - started
+            state.seconds = seconds_before + elapsed
+            window.append(loss.steps)
+            if state.step % cfg.log_every == 0:
+                steps = np.mean(window, axis=0)
+                record = dict(step=state.step, x0=[round(float(s), 5) for s in steps], grad_norm=grad_norm,
+                              seconds=round(state.seconds, 1))
+                if base_window:
+                    record["base"] = window_means(base_window)
+                record["timing"] = clock.parts  # this step's alone
+                with (state_dir / "log.jsonl").open("a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+                log.info("student step %d x0 %s%s", state.step, " ".join(f"{s:.4f}" for s in steps),
+                         f" base {record['base']}" if base_window else "")
+                window.clear()
+                base_window.clear()
+            done = run_over(state_dir, elapsed, cfg.minutes, state.step, cfg.max_steps)
+            if done or state.step % cfg.save_every == 0:
+                state.save(state_dir, dict(vars(cfg)))
+            if done:
+                return state, adapter
 
 
 def export(state: TrainState, adapter: LoRAAdapter, out: Path, base_out: Path | None = None) -> Path:
