@@ -72,3 +72,23 @@ def test_a_caching_student_run_encodes_ahead_as_many_steps_as_fill_its_bank_and_
 def test_a_depth_below_one_is_refused():
     with pytest.raises(ValueError, match="depth=0"):
         Ahead(Counter(), depth=0)
+
+
+def test_close_returns_only_once_the_call_in_progress_has_returned():
+    """A producer thread still in torch's work when the trainer's process exits aborts it (seen in the job's
+    CPU smoke run, as 'terminate called without an active exception'): close waits for the call, however long."""
+    calls: list[str] = []
+
+    def slow() -> int:
+        calls.append("began")
+        time.sleep(1.5)
+        calls.append("returned")
+        return len(calls)
+
+    ahead = Ahead(slow, depth=1)
+    ahead.next()
+    while calls.count("began") < 2:  # the second call is in progress
+        time.sleep(0.05)
+    ahead.close()
+    assert calls[-1] == "returned" and calls.count("began") == calls.count("returned")
+    assert not ahead._thread.is_alive()

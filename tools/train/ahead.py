@@ -8,17 +8,13 @@ have made itself, in the same order: `produce` must draw from no random generato
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
-log = logging.getLogger(__name__)
-
 _POLL_S = 0.2
-_JOIN_S = 60.0
 
 
 class Ahead(Generic[T]):
@@ -62,13 +58,10 @@ class Ahead(Generic[T]):
             raise RuntimeError(f"making a result ahead failed: {value!r}") from value
 
     def close(self) -> None:
-        """Stop making results, once `produce` has returned from a call in progress (a call that has not returned in a
-        minute is left to the daemon thread, with a warning)."""
+        """Stop making results; returns once a call of `produce` in progress has returned (a thread left running
+        torch's work at the interpreter's exit aborts the process)."""
         self._stop.set()
-        self._thread.join(timeout=_JOIN_S)
-        if self._thread.is_alive():
-            log.warning("%s: a call of its producer has run for over %.0f s; left running", self._thread.name,
-                        _JOIN_S)
+        self._thread.join()
 
     def __enter__(self) -> "Ahead[T]":
         return self

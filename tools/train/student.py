@@ -38,6 +38,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -400,18 +401,22 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                                  **loader)) if cfg.train_base else None
     started, seconds_before, window, base_window = time.monotonic(), state.seconds, [], []
 
-    def encoded_step() -> tuple[list[Session], list]:
-        """One step's sessions and base examples, encoded (the bank and the base's cache fill from them)."""
-        return ([encode_session(cond, next(clips)) for _ in range(cfg.sessions)],
-                [cond.encode(next(base_clips)) for _ in range(cfg.base_accum)] if base_clips is not None else [])
-    with Ahead(encoded_step, steps_ahead(cfg, cond.caches), name="student-inputs") as inputs:
+    def encoded():
+        """Each step's sessions, then its base examples, encoded one by one (the bank and the base's cache fill from
+        them)."""
+        while True:
+            yield from (encode_session(cond, next(clips)) for _ in range(cfg.sessions))
+            if base_clips is not None:
+                yield from (cond.encode(next(base_clips)) for _ in range(cfg.base_accum))
+
+    per_step = cfg.sessions + (cfg.base_accum if base_clips is not None else 0)
+    with Ahead(partial(next, encoded()), steps_ahead(cfg, cond.caches) * per_step, name="student-inputs") as inputs:
         while True:
             for group in optimizer.param_groups:
                 group["lr"] = group["peak"] * min(1.0, (state.step + 1) / cfg.warmup)
             clock = StepClock(device, on=(state.step + 1) % cfg.log_every == 0)
             optimizer.zero_grad(set_to_none=True)
-            sessions, examples = inputs.next()
-            batch = SessionBatch(sessions, device)
+            batch = SessionBatch([inputs.next() for _ in range(cfg.sessions)], device)
             rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
             own, gaps = served_history(cfg, state.step, generator)
             clock.mark("sessions")
@@ -422,7 +427,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
             if base_clips is not None:
                 with adapter.suspended():  # the base's own objective, LoRA off
                     set_trainable(model, True)
-                    docs = [document(ex, device) for ex in examples]
+                    docs = [document(inputs.next(), device) for _ in range(cfg.base_accum)]
                     base_loss, parts = document_losses(model, docs)
                     base_loss.backward()
                     base_window.extend(parts)
