@@ -18,6 +18,7 @@ from services.dit.stream.kv_cache import CleanAVKVCache, kv_capacity
 from services.dit.stream.schedule import model_t
 from services.dit.stream.timeline import Timeline
 from tools.train import session_batch, student, world
+from tools.train.sample import sound_of
 
 pytestmark = pytest.mark.cpu
 
@@ -235,8 +236,7 @@ def test_a_switched_session_changes_caption_at_request_one_and_keeps_the_shape_w
 
 
 def _balance_db(wave: torch.Tensor) -> float:
-    left, right = (wave ** 2).mean(dim=1).sqrt().tolist()
-    return 10 * math.log10((right / left) ** 2)
+    return sound_of(wave.numpy(), world.SAMPLE_RATE)[1]
 
 
 def test_a_sessions_sound_stands_its_own_offset_to_the_side_of_its_picture_with_sound_spread():

@@ -103,7 +103,7 @@ def session_scenes(seed: int, switch: float) -> list[world.Scene]:
 def sound_offset(seed: int, spread: float) -> float:
     """How far (px, rightwards) session `seed`'s sound stands from its picture: a normal draw of deviation `spread`,
     from a stream of its own (the session's scenes draw as without it); 0 when `spread` is 0."""
-    return float(np.random.default_rng((seed, SOUND_STREAM)).normal(0.0, spread)) if spread > 0 else 0.0
+    return float(np.random.default_rng((seed, SOUND_STREAM)).normal(0.0, spread))
 
 
 def render_session(seed: int, switch: float, sound_spread: float = 0.0) -> SessionClip:
