@@ -70,13 +70,16 @@ def test_totals_count_the_still_pairs_and_the_moving_ones_apart():
                                    "moving": {"colour": [1, 2], "tone": [2, 2], "outline": [0, 0]}}
 
 
-def _figures(outline=73, colour=84, up=0.77, bounce=0.35, place=2.2) -> dict:
-    """`judge`'s output as run D's model scored it (docs/training.md, "Run D's model"), with figures to vary."""
+def _figures(outline=73, colour=84, up=0.77, bounce=0.35, place=2.2, square=10, held=5.0) -> dict:
+    """`judge`'s output as run D's model scored it (docs/training.md, "Run D's model" and "Run F"), with figures to
+    vary."""
     return {"totals": {"still": {"colour": [colour, 84], "tone": [84, 84], "outline": [outline, 84]},
                        "moving": {"colour": [27, 27], "tone": [27, 27], "outline": [0, 0]}},
             "speeds": {"left": {"path_iou": 0.65}, "right": {"path_iou": 0.59}, "up": {"path_iou": up},
                        "down": {"path_iou": 0.76}, "bounce": {"path_iou": bounce}},
-            "place": {"1": 1.6, "2": 1.5, "3": 1.0, "4": 1.2, "5": place}}
+            "place": {"1": 1.6, "2": 1.5, "3": 1.0, "4": 1.2, "5": place},
+            "meaning_seeds": {"0": {"square": [10, 10], "held_db": 1.7}, "1": {"square": [10, 10], "held_db": 1.3},
+                              "2": {"square": [10, 10], "held_db": 5.7}, "3": {"square": [square, 10], "held_db": held}}}
 
 
 def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_held_to_it():
@@ -89,6 +92,8 @@ def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_
     (_figures(colour=83), "still colour 83/84 (floor 84)"),
     (_figures(up=0.45), "path IoU moving up 0.45 (floor 0.45)"),
     (_figures(place=14.8), "still opening at seed 5 14.8 px from the centre (at most 8)"),
+    (_figures(square=5), "the square after the update 35/40 (floor 90%)"),
+    (_figures(held=6.1), "held balance at seed 3 6.1 dB (at most 6)"),
 ])
 def test_each_figure_below_the_floor_is_named_with_its_value_and_only_it(figures, named):
     assert judge.shortfalls(figures) == [named]
@@ -109,3 +114,11 @@ def test_the_worst_place_is_request_0s_farthest_phase_from_the_worlds_centre_and
     assert judge.worst_place(lks, scene) == pytest.approx(8.9)  # request 1 is not the opening's
     lks[2] = dataclasses.replace(lks[2], centroid=(-1.0, -1.0))  # a phase with no shape
     assert judge.worst_place(lks, scene) > judge.PLACE_LIMIT
+
+
+def test_the_square_after_an_update_counts_the_later_requests_phases_that_read_as_it():
+    lks = [Look(request=r, phase=p, colour=(60, 106, 239), background=(18, 29, 89), centroid=(160.0, 96.0),
+                coverage=0.1, shape=shape, pitch_hz=440.0, balance_db=0.0)
+           for r, p, shape in ((0, 0, "circle"), (0, 1, "circle"), (1, 0, "unclear"), (1, 1, "square"),
+                               (2, 0, "triangle"), (2, 1, "square"))]
+    assert judge.square_after_update(lks, "square") == (2, 4)  # request 0's circles are not counted

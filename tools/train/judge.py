@@ -17,7 +17,11 @@ The sessions (`tools.train.sample` streams and measures each):
 - a still blue square's opening request at each of PLACE_SEEDS: how far the shape stands from the world's centre
   (`worst_place`). The audio teacher's balance in a session's opening varies with the seed by several dB either
   way (run D's as well); a student that reads the place from the sound rather than the caption moves the picture
-  with it, which one seed alone can hide.
+  with it, which one seed alone can hide;
+- the meaning tests' update and held sessions (`tests/e2e/test_meaning.py`, seed 0 there) at each of
+  MEANING_SEEDS: how many phases after the update read as the typed square (`square_after_update`), and how far
+  the held red circle's sound strays from the centre (`worst_balance`). Both vary with the seed; a retraining is
+  held to run D's figures over the seeds, not to the one seed the tests stream.
 
 Prints a line a session and the totals; `--json` writes them. `--floor` also holds the figures to the floor a
 retraining must reach to count as reproducing the shipped model (run D's, less a margin; docs/training.md, "Run
@@ -67,6 +71,16 @@ PLACE_LIMIT = 8.0
 """px the still opening may stand from the world's centre, along x, in any phase of its request at any seed (run D:
 2.2; the meaning tests hold seed 0 to the same)."""
 PLACED: Grammar = ("square", "blue", "black", "still")
+MEANING_SEEDS = (0, 1, 2, 3)
+"""Seeds of the meaning tests' update and held sessions."""
+UPDATE: tuple[Grammar, Grammar] = (("circle", "red", "dark blue", "still"), ("square", "blue", "dark blue", "still"))
+"""The meaning tests' update: a red circle, then a blue square from request 1."""
+SQUARE_SHARE_FLOOR = 0.9
+"""Share of the phases after the update, over every seed, that must read as the square (run D: 40 of 40)."""
+HELD_BALANCE_LIMIT = 6.0
+"""dB the held red circle's sound may stray from the centre at any seed (run D: 1.7 / 1.3 / 5.7 / 5.0 at seeds
+0-3; the meaning test holds seed 0 to 3)."""
+HOLD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,12 @@ def worst_balance(lks: list[Look]) -> tuple[float, int]:
     return abs(worst.balance_db), worst.request
 
 
+def square_after_update(lks: list[Look], shape: str) -> tuple[int, int]:
+    """(phases of the requests after the first that read as `shape`, phases after the first request)."""
+    later = [lk.shape for lk in lks if lk.request >= 1]
+    return sum(s == shape for s in later), len(later)
+
+
 def worst_place(lks: list[Look], scene: world.Scene) -> float:
     """The largest |x - x0| (px) of request 0's phases: how far a still opening's shape stands from where the world
     puts it (the centre); a phase that shows no shape has x -1 (`sample.look`), far from it."""
@@ -178,7 +198,19 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
         stream = sample(tree, scene.caption, [], requests=1, seed=seed, service_log=str(log_dir / f"place{seed}.log"))
         place[str(seed)] = worst_place(looks(stream), scene)
         print(f"still opening, seed {seed}: |x - {scene.x0:.0f}| at most {place[str(seed)]:.1f} px", flush=True)
-    return dict(pairs=pairs, speeds=speeds, balance=balance, place=place, totals=totals(pairs))
+    seeds = {}
+    before, after = UPDATE
+    for seed in MEANING_SEEDS:
+        updated = sample(tree, caption(before), [(1, caption(after))], requests=REQUESTS, seed=seed,
+                         service_log=str(log_dir / f"update{seed}.log"))
+        right, n = square_after_update(looks(updated), after[0])
+        held = sample(tree, caption(before), [], requests=REQUESTS, seed=seed, hold_s=HOLD_S,
+                      service_log=str(log_dir / f"hold{seed}.log"))
+        db, request = worst_balance(looks(held))
+        seeds[str(seed)] = dict(square=[right, n], held_db=db, held_request=request)
+        print(f"meaning seed {seed}: the {after[0]} after the update in {right}/{n} phases; held |R-L| at most "
+              f"{db:.1f} dB, in request {request}", flush=True)
+    return dict(pairs=pairs, speeds=speeds, balance=balance, place=place, meaning_seeds=seeds, totals=totals(pairs))
 
 
 def totals(pairs: list[dict]) -> dict:
@@ -193,7 +225,7 @@ def totals(pairs: list[dict]) -> dict:
 
 def shortfalls(figures: dict) -> list[str]:
     """The figures of `judge`'s output below the floor (OUTLINE_FLOOR, PATH_FLOOR, every colour and tone,
-    PLACE_LIMIT), each named with its value; empty when the model reaches it."""
+    PLACE_LIMIT, SQUARE_SHARE_FLOOR, HELD_BALANCE_LIMIT), each named with its value; empty when the model reaches it."""
     short = []
     for kind, parts in figures["totals"].items():
         for f, (right, n) in parts.items():
@@ -207,6 +239,13 @@ def shortfalls(figures: dict) -> list[str]:
     for seed, px in figures["place"].items():
         if not px <= PLACE_LIMIT:
             short.append(f"still opening at seed {seed} {px:.1f} px from the centre (at most {PLACE_LIMIT:.0f})")
+    seeds = figures["meaning_seeds"]
+    right, n = (sum(s["square"][i] for s in seeds.values()) for i in (0, 1))
+    if not right >= SQUARE_SHARE_FLOOR * n:
+        short.append(f"the square after the update {right}/{n} (floor {SQUARE_SHARE_FLOOR:.0%})")
+    for seed, s in seeds.items():
+        if not s["held_db"] <= HELD_BALANCE_LIMIT:
+            short.append(f"held balance at seed {seed} {s['held_db']:.1f} dB (at most {HELD_BALANCE_LIMIT:.0f})")
     return short
 
 
