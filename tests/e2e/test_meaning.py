@@ -17,7 +17,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from tools.train import world
+from tools.train import judge, world
 from tools.train.judge import first_phase_speed, path_iou, world_speed
 from tools.train.sample import Look, Stream, looks, nearest_colour, sample, shape_mask
 
@@ -25,11 +25,10 @@ pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 
 TREE = pathlib.Path(os.environ.get("VITASCOPE_MEANING_TREE")
                     or pathlib.Path(__file__).resolve().parents[2] / "models" / "tiny")
-RED = world.opening_scene("circle", "red", "dark blue", "still")
-BLUE = world.opening_scene("square", "blue", "dark blue", "still")
+RED, BLUE = (world.opening_scene(*g) for g in judge.UPDATE)  # the judge streams these at more seeds
 RED_ON_BLACK = world.opening_scene("circle", "red", "black", "still")
 YELLOW_ON_GREY = world.opening_scene("square", "yellow", "grey", "still")
-HOLD_S = 1.0
+HOLD_S = judge.HOLD_S
 
 
 @pytest.fixture(scope="module")

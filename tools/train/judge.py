@@ -74,13 +74,15 @@ PLACED: Grammar = ("square", "blue", "black", "still")
 MEANING_SEEDS = (0, 1, 2, 3)
 """Seeds of the meaning tests' update and held sessions."""
 UPDATE: tuple[Grammar, Grammar] = (("circle", "red", "dark blue", "still"), ("square", "blue", "dark blue", "still"))
-"""The meaning tests' update: a red circle, then a blue square from request 1."""
+"""The meaning tests' update: a red circle, then a blue square from request 1 (`tests/e2e/test_meaning.py` reads
+its scenes from here)."""
 SQUARE_SHARE_FLOOR = 0.9
 """Share of the phases after the update, over every seed, that must read as the square (run D: 40 of 40)."""
 HELD_BALANCE_LIMIT = 6.0
 """dB the held red circle's sound may stray from the centre at any seed (run D: 1.7 / 1.3 / 5.7 / 5.0 at seeds
 0-3; the meaning test holds seed 0 to 3)."""
 HOLD_S = 1.0
+"""s the held sessions wait for a prompt at each request boundary (the meaning tests' hold too)."""
 
 
 @dataclass(frozen=True)
