@@ -70,16 +70,22 @@ def test_totals_count_the_still_pairs_and_the_moving_ones_apart():
                                    "moving": {"colour": [1, 2], "tone": [2, 2], "outline": [0, 0]}}
 
 
-def _figures(outline=73, colour=84, up=0.77, bounce=0.35, place=2.2, square=10, held=5.0) -> dict:
+def _figures(outline=73, colour=84, up=0.77, bounce=0.35, place=2.2, square=10, held=5.0, update=7.0,
+             green=1.0) -> dict:
     """`judge`'s output as run D's model scored it (docs/training.md, "Run D's model" and "Run F"), with figures to
     vary."""
     return {"totals": {"still": {"colour": [colour, 84], "tone": [84, 84], "outline": [outline, 84]},
                        "moving": {"colour": [27, 27], "tone": [27, 27], "outline": [0, 0]}},
             "speeds": {"left": {"path_iou": 0.65}, "right": {"path_iou": 0.59}, "up": {"path_iou": up},
                        "down": {"path_iou": 0.76}, "bounce": {"path_iou": bounce}},
+            "balance": {c: {"worst_db": db} for c, db in
+                        (("purple", 1.0), ("red", 2.1), ("green", green), ("blue", 1.4), ("yellow", 8.0),
+                         ("white", 1.7))},
             "place": {"1": 1.6, "2": 1.5, "3": 1.0, "4": 1.2, "5": place},
-            "meaning_seeds": {"0": {"square": [10, 10], "held_db": 1.7}, "1": {"square": [10, 10], "held_db": 1.3},
-                              "2": {"square": [10, 10], "held_db": 5.7}, "3": {"square": [square, 10], "held_db": held}}}
+            "meaning_seeds": {"0": {"square": [10, 10], "held_db": 1.7, "update_db": 1.0},
+                              "1": {"square": [10, 10], "held_db": 1.3, "update_db": 1.3},
+                              "2": {"square": [10, 10], "held_db": 5.7, "update_db": 7.2},
+                              "3": {"square": [square, 10], "held_db": held, "update_db": update}}}
 
 
 def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_held_to_it():
@@ -94,6 +100,8 @@ def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_
     (_figures(place=14.8), "still opening at seed 5 14.8 px from the centre (at most 8)"),
     (_figures(square=5), "the square after the update 35/40 (floor 90%)"),
     (_figures(held=6.1), "held balance at seed 3 6.1 dB (at most 6)"),
+    (_figures(update=10.8), "update balance at seed 3 10.8 dB (at most 9)"),
+    (_figures(green=10.6), "held green balance 10.6 dB (at most 9)"),
 ])
 def test_each_figure_below_the_floor_is_named_with_its_value_and_only_it(figures, named):
     assert judge.shortfalls(figures) == [named]

@@ -257,6 +257,21 @@ def test_a_sessions_sound_stands_its_own_offset_to_the_side_of_its_picture_with_
     assert spread == pytest.approx(48.0, rel=0.05)
 
 
+def test_with_one_spread_request_only_the_first_requests_sound_stands_aside_and_the_second_is_the_pictures():
+    seed = next(s for s in range(student.STUDENT_SEED, student.STUDENT_SEED + 40)
+                if [sc.motion for sc in student.session_scenes(s, 0.0)] == ["still", "still"]
+                and abs(student.sound_offset(s, 48.0)) > 20)
+    request0 = plan_request(0).num_audio_latents * 800
+    plain = student.render_session(seed, 0.0)
+    both = student.render_session(seed, 0.0, sound_spread=48.0)
+    first = student.render_session(seed, 0.0, sound_spread=48.0, spread_requests=1)
+    assert torch.equal(first.frames, plain.frames)
+    assert torch.equal(first.wave[:, :request0], both.wave[:, :request0])  # request 0 aside as before
+    assert abs(_balance_db(first.wave[:, :request0])) > 1.0
+    assert torch.equal(first.wave[:, request0:], plain.wave[:, request0:])  # request 1 where its picture is
+    assert abs(_balance_db(both.wave[:, request0:])) > 1.0
+
+
 def test_sessions_open_on_the_captions_own_scene():
     a, b = (student.session_scenes(seed, switch=0.0)[0] for seed in (1, 2))
     if a.caption == b.caption:
@@ -456,7 +471,7 @@ def test_a_student_over_distinct_sessions_renders_each_once_per_process_with_its
                                    sound_spread=48.0)
     student.train(cfg, base_dir, cond, tmp_path / "state")
     seeds = [student.STUDENT_SEED, student.STUDENT_SEED + 1]  # step 0's; steps 1 and 2 name them
-    assert sorted(rendered) == [(seed, cfg.switch, 48.0) for seed in seeds]
+    assert sorted(rendered) == [(seed, cfg.switch, 48.0, student.REQUESTS) for seed in seeds]
 
 
 @pytest.mark.slow
@@ -476,6 +491,8 @@ def test_a_resume_with_another_sound_spread_is_refused_and_a_state_from_before_t
     with pytest.raises(ValueError, match="holds a run with {'sound_spread': 0.0}"):
         student.train(replace(cfg, max_steps=2), base_dir, cond, tmp_path / "e")
     assert student.train(replace(cfg, sound_spread=0.0, max_steps=2), base_dir, cond, tmp_path / "e")[0].step == 2
+    with pytest.raises(ValueError, match="holds a run with {'spread_requests': 2}"):  # run F's states: both
+        student.train(replace(cfg, sound_spread=0.0, spread_requests=1, max_steps=3), base_dir, cond, tmp_path / "e")
 
 
 @pytest.mark.slow

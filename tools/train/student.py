@@ -18,7 +18,10 @@ what the runtime (`services.dit.stream.runtime`) asks of the student, forward fo
   With `--sound-spread S`, a session's sound is rendered with its shape S px (one normal draw a session, the same
   in every request) to the side of where its frames show it: the served teacher writes a session's sound from the
   caption and its own tail, and places a still opening several dB either way of the centre, so a student that
-  reads the place from the balance moves the picture with it (docs/training.md, "Run F").
+  reads the place from the balance moves the picture with it (docs/training.md, "Run F"). With
+  `--spread-requests 1` only request 0's sound stands aside and request 1's is where its picture is: a sound set
+  aside for a whole session leaves the balance nothing to return to, and a served sound then walks away from a
+  still shape request by request (docs/training.md, "Run F", session 15).
 - Student step s's video input is the clean latents noised to sigma_s with the phase's noise, or, with
   probability `--self-rollout`, the Euler state the student's own earlier steps reached (as served). The loss is the
   x0 error of every step's prediction (x0_hat = x + sigma v) against the clean latents; the commits carry gradients
@@ -106,20 +109,24 @@ def sound_offset(seed: int, spread: float) -> float:
     return float(np.random.default_rng((seed, SOUND_STREAM)).normal(0.0, spread))
 
 
-def render_session(seed: int, switch: float, sound_spread: float = 0.0) -> SessionClip:
+def render_session(seed: int, switch: float, sound_spread: float = 0.0,
+                   spread_requests: int = REQUESTS) -> SessionClip:
     """Frames and sound of session `seed`, each request from its own scene (a switch cuts at the boundary; the
-    audio cuts at the request's first audio latent); the sound `sound_offset` to the side."""
-    return render_scenes(seed, session_scenes(seed, switch), sound_offset(seed, sound_spread))
+    audio cuts at the request's first audio latent); the sound of its first `spread_requests` requests
+    `sound_offset` to the side."""
+    return render_scenes(seed, session_scenes(seed, switch), sound_offset(seed, sound_spread), spread_requests)
 
 
-def render_scenes(seed: int, scenes: list[world.Scene], sound_dx: float = 0.0) -> SessionClip:
-    """Frames and sound of a session whose request k shows `scenes[k]` (`seed` names it, e.g. for a cache), its
-    sound rendered from the scene moved `sound_dx` px sideways (`world.moved_sideways`)."""
+def render_scenes(seed: int, scenes: list[world.Scene], sound_dx: float = 0.0,
+                  spread_requests: int = REQUESTS) -> SessionClip:
+    """Frames and sound of a session whose request k shows `scenes[k]` (`seed` names it, e.g. for a cache), the
+    sound of requests k < `spread_requests` rendered from the scene moved `sound_dx` px sideways
+    (`world.moved_sideways`)."""
     frames, waves = [], []
     for k, scene in enumerate(scenes):
         plan = plan_request(k)
         frames.append(world.render_video(scene, plan.frame_start, plan.num_frames))
-        heard = world.moved_sideways(scene, sound_dx) if sound_dx else scene
+        heard = world.moved_sideways(scene, sound_dx) if sound_dx and k < spread_requests else scene
         waves.append(world.render_audio(heard, plan.audio_start * HOP, plan.num_audio_latents * HOP))
     return SessionClip(seed, tuple(s.caption for s in scenes), torch.from_numpy(np.concatenate(frames)),
                        torch.from_numpy(np.concatenate(waves, axis=1)))
@@ -140,9 +147,9 @@ class Sessions(Dataset):
     session's frames are 45 MB that the step would only pin and drop)."""
 
     def __init__(self, switch: float, distinct: int | None = None, encoded_after: int | None = None,
-                 sound_spread: float = 0.0) -> None:
+                 sound_spread: float = 0.0, spread_requests: int = REQUESTS) -> None:
         self.switch, self.distinct, self.encoded_after = switch, distinct, encoded_after
-        self.sound_spread = sound_spread
+        self.sound_spread, self.spread_requests = sound_spread, spread_requests
 
     def __len__(self) -> int:
         return 1 << 40
@@ -151,7 +158,7 @@ class Sessions(Dataset):
         seed = STUDENT_SEED + (i % self.distinct if self.distinct else i)
         if encoded_before(i, self.distinct, self.encoded_after):
             return SeenSession(seed)
-        return render_session(seed, self.switch, self.sound_spread)
+        return render_session(seed, self.switch, self.sound_spread, self.spread_requests)
 
 
 def encode_session(cond: Conditioner, clip: SessionClip | SeenSession) -> Session:
@@ -313,6 +320,9 @@ class StudentRunConfig:
     sound_spread: float = 0.0
     """px: each session's sound stands a normal draw of this deviation to the side of its picture
     (`sound_offset`)."""
+    spread_requests: int = REQUESTS
+    """The requests, from the first, whose sound stands `sound_spread` aside; the later ones' is where the picture
+    is."""
     self_rollout: float = 0.5
     minutes: float = 8.0
     max_steps: int | None = None
@@ -386,13 +396,14 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
     state = TrainState(model, EMA(model, cfg.ema_decay), optimizer, generators={"student": generator})
     torch.manual_seed(cfg.seed)
     state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions, train_base=cfg.train_base,
-                                      sound_spread=cfg.sound_spread), before=dict(sound_spread=0.0))
+                                      sound_spread=cfg.sound_spread, spread_requests=cfg.spread_requests),
+               before=dict(sound_spread=0.0, spread_requests=REQUESTS))
     state_dir.mkdir(parents=True, exist_ok=True)
     loader = dict(batch_size=None, num_workers=cfg.workers, pin_memory=device.type == "cuda",
                   prefetch_factor=4 if cfg.workers else None)
     first = state.step * cfg.sessions
     clips = iter(DataLoader(Sessions(cfg.switch, cfg.distinct, encoded_after=first if cond.caches else None,
-                                     sound_spread=cfg.sound_spread),
+                                     sound_spread=cfg.sound_spread, spread_requests=cfg.spread_requests),
                             sampler=IndexRange(first), generator=torch.Generator(), **loader))
     first_base = state.step * cfg.base_accum
     base_clips = iter(DataLoader(Clips(REQUEST_FRAMES, distinct=cfg.distinct, teacher_docs=cfg.teacher_docs,
@@ -491,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
     for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_commit", "sink_gap",
-                 "served_from", "sound_spread", "self_rollout", "minutes", "max_steps", "save_every", "log_every",
+                 "served_from", "sound_spread", "spread_requests", "self_rollout", "minutes", "max_steps", "save_every", "log_every",
                  "distinct", "workers", "base_lr", "base_accum", "teacher_docs", "openings"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
@@ -516,7 +527,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
                            switch=args.switch, first_phase_weight=args.first_phase_weight,
                            self_commit=args.self_commit, sink_gap=args.sink_gap, served_from=args.served_from,
-                           sound_spread=args.sound_spread, self_rollout=args.self_rollout, minutes=args.minutes,
+                           sound_spread=args.sound_spread, spread_requests=args.spread_requests,
+                           self_rollout=args.self_rollout, minutes=args.minutes,
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,
                            base_lr=args.base_lr, base_accum=args.base_accum, teacher_docs=args.teacher_docs,
