@@ -272,6 +272,14 @@ def test_with_one_spread_request_only_the_first_requests_sound_stands_aside_and_
     assert abs(_balance_db(both.wave[:, request0:])) > 1.0
 
 
+@pytest.mark.parametrize("value", ["0", "3"])
+def test_a_spread_over_no_request_or_more_than_a_session_has_is_refused_naming_the_option(value, capsys):
+    with pytest.raises(SystemExit):
+        student.main(["--base", "b", "--state", "s", "--vae-root", "v", "--encoder-root", "e",
+                      "--spread-requests", value])
+    assert f"--spread-requests {value}: a session has 2 requests" in capsys.readouterr().err
+
+
 def test_sessions_open_on_the_captions_own_scene():
     a, b = (student.session_scenes(seed, switch=0.0)[0] for seed in (1, 2))
     if a.caption == b.caption:

@@ -523,6 +523,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--export-base needs --train-base")
     if args.vae_root is None or args.encoder_root is None:
         parser.error("training needs --vae-root and --encoder-root")
+    if not 1 <= args.spread_requests <= REQUESTS:
+        parser.error(f"--spread-requests {args.spread_requests}: a session has {REQUESTS} requests; set aside the "
+                     f"sound of 1 to {REQUESTS} of them")
     torch.set_float32_matmul_precision("high")
     cfg = StudentRunConfig(rank=args.rank, sessions=args.sessions, lr=args.lr, warmup=args.warmup,
                            switch=args.switch, first_phase_weight=args.first_phase_weight,
