@@ -211,11 +211,12 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
     for seed in MEANING_SEEDS:
         updated = sample(tree, caption(before), [(1, caption(after))], requests=REQUESTS, seed=seed,
                          service_log=str(log_dir / f"update{seed}.log"))
-        right, n = square_after_update(looks(updated), after[0])
+        updated_looks = looks(updated)
+        right, n = square_after_update(updated_looks, after[0])
         held = sample(tree, caption(before), [], requests=REQUESTS, seed=seed, hold_s=HOLD_S,
                       service_log=str(log_dir / f"hold{seed}.log"))
         db, request = worst_balance(looks(held))
-        update_db, update_request = worst_balance(looks(updated))
+        update_db, update_request = worst_balance(updated_looks)
         seeds[str(seed)] = dict(square=[right, n], held_db=db, held_request=request, update_db=update_db,
                                 update_request=update_request)
         print(f"meaning seed {seed}: the {after[0]} after the update in {right}/{n} phases, its |R-L| at most "

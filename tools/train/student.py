@@ -502,8 +502,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = StudentRunConfig()
     for name in ("rank", "sessions", "lr", "warmup", "switch", "first_phase_weight", "self_commit", "sink_gap",
-                 "served_from", "sound_spread", "spread_requests", "self_rollout", "minutes", "max_steps", "save_every", "log_every",
-                 "distinct", "workers", "base_lr", "base_accum", "teacher_docs", "openings"):
+                 "served_from", "sound_spread", "spread_requests", "self_rollout", "minutes", "max_steps",
+                 "save_every", "log_every", "distinct", "workers", "base_lr", "base_accum", "teacher_docs", "openings"):
         value = getattr(defaults, name)
         kind = float if isinstance(value, float) else int
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
