@@ -15,7 +15,6 @@ import logging
 import os
 import pathlib
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import yaml
 from services.client import ClientOptions, ClientResult, PromptUpdate, stream
 from services.supervisor import Supervisor
 from services.up import bring_up
+from tools.ports import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -49,24 +49,22 @@ PROMPTS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def write_profile(base: pathlib.Path, workdir: pathlib.Path,
-                  model_dir: pathlib.Path | None = None) -> tuple[pathlib.Path, int]:
+def write_profile(base: pathlib.Path, workdir: pathlib.Path, model_dir: pathlib.Path | None = None,
+                  metrics: bool = False) -> tuple[pathlib.Path, int]:
     """A copy of `base` on free ports; returns (path, gateway port). Its model is `model_dir` as it stands, or by
-    default a checkpoint of its own under `workdir`, written on first start."""
+    default a checkpoint of its own under `workdir`, written on first start. With `metrics`, each stage serves its
+    metrics on a free port too (otherwise on none)."""
     raw = yaml.safe_load(base.read_text())
     raw["profile"] = f"{raw.get('profile', base.stem)}_bench"
     raw["model"]["dir"] = str(model_dir.resolve() if model_dir else workdir / "checkpoint")
     raw["model"]["write_if_missing"] = model_dir is None
-    raw["endpoints"] = {name: f"127.0.0.1:{free_port()}" for name in ("encoder", "dit", "vae")}
-    for stage in ("encoder", "dit", "vae"):
-        raw.setdefault(stage, {})["metrics_port"] = 0
-    raw.setdefault("gateway", {})["port"] = port = free_port()
+    stages = ("encoder", "dit", "vae")
+    # chosen at once, so that no two of them are the same port
+    port, *ports = free_ports(1 + 2 * len(stages))
+    raw["endpoints"] = {name: f"127.0.0.1:{ports.pop()}" for name in stages}
+    for stage in stages:
+        raw.setdefault(stage, {})["metrics_port"] = ports.pop() if metrics else 0
+    raw.setdefault("gateway", {})["port"] = port
     path = workdir / "profile.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path, port

@@ -29,7 +29,7 @@ import yaml
 
 from services.client import ClientOptions, stream
 from services.supervisor import Supervisor
-from tools.bench_tiny import ROOT, bring_up_logged, free_port, write_profile
+from tools.bench_tiny import ROOT, bring_up_logged, write_profile
 
 log = logging.getLogger("soak")
 
@@ -105,12 +105,9 @@ def node_sample(sessions: int, supervisor: Supervisor, http_url: str, metrics_ur
 
 def soak_profile(base: pathlib.Path, workdir: pathlib.Path) -> tuple[pathlib.Path, int, list[str]]:
     """The bench profile with each stage's metrics on a free loopback port; (path, gateway port, metrics URLs)."""
-    path, port = write_profile(base, workdir)
+    path, port = write_profile(base, workdir, metrics=True)
     raw = yaml.safe_load(path.read_text())
-    urls = []
-    for stage in ("encoder", "dit", "vae"):
-        raw[stage]["metrics_port"] = metrics_port = free_port()
-        urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
+    urls = [f"http://127.0.0.1:{raw[stage]['metrics_port']}/metrics" for stage in ("encoder", "dit", "vae")]
     # every client comes from 127.0.0.1 here: the per-address limits would be what is measured
     raw["gateway"]["auth"] = {"max_connections_per_address": 1024, "starts_per_minute_per_address": 100_000}
     path.write_text(yaml.safe_dump(raw))

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.config import load_profile
 from services.common.grpc_server import Stage, serve
-from tests.ports import free_ports
+from tools.ports import free_ports
 
 pytestmark = pytest.mark.cpu
 

@@ -13,7 +13,7 @@ import pytest
 
 from services.common.grpc_server import Stage, serve
 from services.common.startup import ProgressFile, Steps, read_progress, report, size_text
-from tests.ports import free_ports
+from tools.ports import free_ports
 
 pytestmark = pytest.mark.cpu
 

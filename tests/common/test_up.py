@@ -6,7 +6,7 @@ import pytest
 
 from services.common.config import load_profile
 from services.up import check_ports_free, service_commands
-from tests.ports import free_ports
+from tools.ports import free_ports
 
 pytestmark = pytest.mark.cpu
 ROOT = pathlib.Path(__file__).resolve().parents[2]

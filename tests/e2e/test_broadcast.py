@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from services.up import bring_up
-from tests.ports import free_ports
+from tools.ports import free_ports
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 

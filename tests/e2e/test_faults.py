@@ -28,7 +28,7 @@ import yaml
 from services.client import ClientOptions, stream
 from services.supervisor import RestartPolicy, Supervisor
 from services.up import bring_up
-from tests.ports import free_ports
+from tools.ports import free_ports
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 

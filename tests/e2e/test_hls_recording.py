@@ -23,7 +23,7 @@ import yaml
 
 from services.up import bring_up
 from tests.gateway.test_hls import check_ll_hls_rules
-from tests.ports import free_ports
+from tools.ports import free_ports
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 

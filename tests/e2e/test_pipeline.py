@@ -25,7 +25,7 @@ import yaml
 
 from services.client import ClientOptions, stream
 from services.up import SERVICES, bring_up
-from tests.ports import free_ports
+from tools.ports import free_ports
 
 pytestmark = [pytest.mark.cpu, pytest.mark.e2e]
 

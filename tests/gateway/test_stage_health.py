@@ -9,7 +9,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.gateway.stage_health import StageHealth
-from tests.ports import free_ports
+from tools.ports import free_ports
 
 pytestmark = pytest.mark.cpu
 NAME = "vitascope.dit.v1.DiT"

@@ -1,4 +1,4 @@
-"""Free TCP ports on 127.0.0.1 for tests that start real servers."""
+"""Free TCP ports on 127.0.0.1 for tools and tests that start real servers."""
 from __future__ import annotations
 
 import contextlib
