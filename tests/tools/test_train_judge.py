@@ -71,16 +71,16 @@ def test_totals_count_the_still_pairs_and_the_moving_ones_apart():
 
 
 def _figures(outline=73, colour=84, up=0.77, bounce=0.35, place=2.2, square=10, held=5.0, update=7.0,
-             green=1.0) -> dict:
-    """`judge`'s output as run D's model scored it (docs/training.md, "Run D's model" and "Run F"), with figures to
-    vary."""
+             white=11.2) -> dict:
+    """`judge`'s output as run D's model scored it (docs/training.md, "Run D's model", "Run F" and "Run G"), with
+    figures to vary."""
     return {"totals": {"still": {"colour": [colour, 84], "tone": [84, 84], "outline": [outline, 84]},
                        "moving": {"colour": [27, 27], "tone": [27, 27], "outline": [0, 0]}},
             "speeds": {"left": {"path_iou": 0.65}, "right": {"path_iou": 0.59}, "up": {"path_iou": up},
                        "down": {"path_iou": 0.76}, "bounce": {"path_iou": bounce}},
-            "balance": {c: {"worst_db": db} for c, db in
-                        (("purple", 1.0), ("red", 2.1), ("green", green), ("blue", 1.4), ("yellow", 8.0),
-                         ("white", 1.7))},
+            "balance": {c: {"worst_db": db, "seed": seed} for seed, (c, db) in
+                        enumerate((("purple", 1.0), ("red", 4.4), ("green", 8.6), ("blue", 6.4), ("yellow", 9.9),
+                                   ("white", white)))},
             "place": {"1": 1.6, "2": 1.5, "3": 1.0, "4": 1.2, "5": place},
             "meaning_seeds": {"0": {"square": [10, 10], "held_db": 1.7, "update_db": 1.0},
                               "1": {"square": [10, 10], "held_db": 1.3, "update_db": 1.3},
@@ -100,11 +100,17 @@ def test_run_ds_figures_reach_the_floor_of_a_reproduction_and_the_bounce_is_not_
     (_figures(place=14.8), "still opening at seed 5 14.8 px from the centre (at most 8)"),
     (_figures(square=5), "the square after the update 35/40 (floor 90%)"),
     (_figures(held=6.1), "held balance at seed 3 6.1 dB (at most 6)"),
-    (_figures(update=10.8), "update balance at seed 3 10.8 dB (at most 9)"),
-    (_figures(green=10.6), "held green balance 10.6 dB (at most 9)"),
+    (_figures(white=30.0), "the sound's drift 7.7 dB, a mean over the held colours and the update's seeds (at most "
+                           "7.5)"),
 ])
 def test_each_figure_below_the_floor_is_named_with_its_value_and_only_it(figures, named):
     assert judge.shortfalls(figures) == [named]
+
+
+def test_the_sounds_drift_is_a_mean_over_the_held_colours_and_the_updates_seeds():
+    assert judge.drift_mean(_figures()) == pytest.approx(5.8)  # run D's
+    assert judge.drift_mean(_figures(update=17.0)) == pytest.approx(6.8)  # one update session 10 dB further
+    assert judge.shortfalls(_figures(update=17.0)) == []  # one stream's walk alone is one draw of noise
 
 
 def test_the_worst_balance_is_the_largest_stray_either_way_and_names_its_request():

@@ -12,8 +12,10 @@ The sessions (`tools.train.sample` streams and measures each):
 - a red circle moving left, right, up, down and bouncing, two requests each: how well the shape keeps to the
   world's path over both requests (`path_iou`) and, but for the bounce, its speed along its axis over the first
   phase (a line fitted to its centroid) against the world's;
-- a centred still circle of each colour on black, held for HELD_REQUESTS requests: how far its sound strays from
-  the centre (`worst_balance`; the world's is 0 dB);
+- a centred still circle of each colour on black, held for HELD_REQUESTS requests, each colour at a seed of its own
+  (its place in the grammar's list): how far its sound strays from the centre (`worst_balance`; the world's is 0
+  dB). The audio teacher's first request falls a few dB either side of the centre with the seed's noise and later
+  requests carry it on, so one seed for every colour would measure one draw of noise six times;
 - a still blue square's opening request at each of PLACE_SEEDS: how far the shape stands from the world's centre
   (`worst_place`). The audio teacher's balance in a session's opening varies with the seed by several dB either
   way (run D's as well); a student that reads the place from the sound rather than the caption moves the picture
@@ -81,12 +83,12 @@ SQUARE_SHARE_FLOOR = 0.9
 HELD_BALANCE_LIMIT = 6.0
 """dB the held red circle's sound may stray from the centre at any seed (run D: 1.7 / 1.3 / 5.7 / 5.0 at seeds
 0-3; the meaning test holds seed 0 to 3)."""
-DRIFT_LIMIT = 9.0
-"""dB the sound of each colour's held circle, and of the update's session at any seed, may stray from the centre
-(run D: held purple 1.0, red 2.1, green 1.0, blue 1.4, white 1.7, yellow 8.0, the drift of a yellow tone in
-docs/training.md, "What remains"; the update 1.0 / 1.3 / 7.2 / 7.0 at seeds 0-3). A student whose sound has
-nothing to return to walks it away from a still shape request by request (run F: docs/training.md, "Run F",
-session 15)."""
+DRIFT_MEAN_LIMIT = 7.5
+"""dB the sound of a centred still shape may stray from the centre, as `drift_mean` takes it over the held colours
+and the update's seeds (run D: held purple 1.0, red 4.4, green 8.6, blue 6.4, yellow 9.9, white 11.2 at seeds 0-5,
+the update 1.0 / 1.3 / 7.2 / 7.0 at seeds 0-3, mean 5.8; its streams spread from 1 to 11 dB, so the mean of ten has
+a standard error of about 1 dB). The audio teacher's balance walks request by request in every model trained so
+far; the judge holds a retraining to run D's walk over the seeds (docs/training.md, "Run G")."""
 HOLD_S = 1.0
 """s the held sessions wait for a prompt at each request boundary (the meaning tests' hold too)."""
 
@@ -193,13 +195,13 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
                     f"{world_speed(motion):+.2f}); " + line)
         print(f"moving {motion}: {line}", flush=True)
     balance = {}
-    for colour in world.COLOUR_BY_NAME:
+    for seed, colour in enumerate(world.COLOUR_BY_NAME):
         g = ("circle", colour, "black", "still")
-        stream = sample(tree, caption(g), [], requests=HELD_REQUESTS, seed=0,
+        stream = sample(tree, caption(g), [], requests=HELD_REQUESTS, seed=seed,
                         service_log=str(log_dir / f"held_{colour}.log"))
         db, request = worst_balance(looks(stream))
-        balance[colour] = dict(worst_db=db, request=request)
-        print(f"held {colour}: |R-L| at most {db:.1f} dB, in request {request}", flush=True)
+        balance[colour] = dict(worst_db=db, request=request, seed=seed)
+        print(f"held {colour} (seed {seed}): |R-L| at most {db:.1f} dB, in request {request}", flush=True)
     place = {}
     scene = world.opening_scene(*PLACED)
     for seed in PLACE_SEEDS:
@@ -235,9 +237,17 @@ def totals(pairs: list[dict]) -> dict:
     return out
 
 
+def drift_mean(figures: dict) -> float:
+    """How far the sound of a centred still shape strays, over the seeds: the mean of each held colour's worst
+    |R - L| and the update session's at each meaning seed (dB)."""
+    worst = [b["worst_db"] for b in figures["balance"].values()]
+    worst += [s["update_db"] for s in figures["meaning_seeds"].values()]
+    return float(np.mean(worst))
+
+
 def shortfalls(figures: dict) -> list[str]:
     """The figures of `judge`'s output below the floor (OUTLINE_FLOOR, PATH_FLOOR, every colour and tone,
-    PLACE_LIMIT, SQUARE_SHARE_FLOOR, HELD_BALANCE_LIMIT, DRIFT_LIMIT), each named with its value; empty when the
+    PLACE_LIMIT, SQUARE_SHARE_FLOOR, HELD_BALANCE_LIMIT, DRIFT_MEAN_LIMIT), each named with its value; empty when the
     model reaches it."""
     short = []
     for kind, parts in figures["totals"].items():
@@ -249,9 +259,6 @@ def shortfalls(figures: dict) -> list[str]:
         iou = figures["speeds"][motion]["path_iou"]
         if not iou > PATH_FLOOR:
             short.append(f"path IoU moving {motion} {iou:.2f} (floor {PATH_FLOOR})")
-    for colour, b in figures["balance"].items():
-        if not b["worst_db"] <= DRIFT_LIMIT:
-            short.append(f"held {colour} balance {b['worst_db']:.1f} dB (at most {DRIFT_LIMIT:.0f})")
     for seed, px in figures["place"].items():
         if not px <= PLACE_LIMIT:
             short.append(f"still opening at seed {seed} {px:.1f} px from the centre (at most {PLACE_LIMIT:.0f})")
@@ -259,9 +266,11 @@ def shortfalls(figures: dict) -> list[str]:
     right, n = (sum(s["square"][i] for s in seeds.values()) for i in (0, 1))
     if not right >= SQUARE_SHARE_FLOOR * n:
         short.append(f"the square after the update {right}/{n} (floor {SQUARE_SHARE_FLOOR:.0%})")
+    drift = drift_mean(figures)
+    if not drift <= DRIFT_MEAN_LIMIT:
+        short.append(f"the sound's drift {drift:.1f} dB, a mean over the held colours and the update's seeds "
+                     f"(at most {DRIFT_MEAN_LIMIT})")
     for seed, s in seeds.items():
-        if not s["update_db"] <= DRIFT_LIMIT:
-            short.append(f"update balance at seed {seed} {s['update_db']:.1f} dB (at most {DRIFT_LIMIT:.0f})")
         if not s["held_db"] <= HELD_BALANCE_LIMIT:
             short.append(f"held balance at seed {seed} {s['held_db']:.1f} dB (at most {HELD_BALANCE_LIMIT:.0f})")
     return short
