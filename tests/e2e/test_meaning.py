@@ -164,8 +164,11 @@ def test_the_scene_goes_on_across_phase_and_request_boundaries(held):
     assert max(xs) - min(xs) < 6 and max(ys) - min(ys) < 6, f"the shape wandered: x {xs}, y {ys}"  # measured: 1 px
     for lk in seen:
         assert_shows(lk, RED)
-    # the centred shape's sound stays centred (R - L); measured at most 1.7 dB over four requests (run C: 10 dB)
-    assert max(abs(lk.balance_db) for lk in seen) < 3, f"the balance drifted: {[lk.balance_db for lk in seen]}"
+    # the centred shape's sound stays centred (R - L): measured at most 1.7 dB over four requests at this seed (run C:
+    # 10 dB). The audio teacher's walk is a draw of the seed's noise, and the same model strays 1.3 / 5.7 / 5.0 dB at
+    # seeds 1-3 (docs/training.md, "Run G"), so the limit is the one the judge holds at every seed
+    worst = max(abs(lk.balance_db) for lk in seen)
+    assert worst <= judge.HELD_BALANCE_LIMIT, f"the balance drifted: {[lk.balance_db for lk in seen]}"
 
 
 def test_a_hold_that_ends_without_a_prompt_keeps_the_last_prompts_scene(held):
