@@ -82,7 +82,7 @@ SQUARE_SHARE_FLOOR = 0.9
 """Share of the phases after the update, over every seed, that must read as the square (run D: 40 of 40)."""
 HELD_BALANCE_LIMIT = 6.0
 """dB the held red circle's sound may stray from the centre at any seed (run D: 1.7 / 1.3 / 5.7 / 5.0 at seeds
-0-3; the meaning test holds seed 0 to 3)."""
+0-3; the meaning test holds seed 0 to it too)."""
 DRIFT_MEAN_LIMIT = 7.5
 """dB the sound of a centred still shape may stray from the centre, as `drift_mean` takes it over the held colours
 and the update's seeds (run D: held purple 1.0, red 4.4, green 8.6, blue 6.4, yellow 9.9, white 11.2 at seeds 0-5,
