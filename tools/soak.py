@@ -29,6 +29,7 @@ import yaml
 
 from services.client import ClientOptions, stream
 from services.supervisor import Supervisor
+from services.up import STAGES
 from tools.bench_tiny import ROOT, bring_up_logged, write_profile
 
 log = logging.getLogger("soak")
@@ -107,7 +108,7 @@ def soak_profile(base: pathlib.Path, workdir: pathlib.Path) -> tuple[pathlib.Pat
     """The bench profile with each stage's metrics on a free loopback port; (path, gateway port, metrics URLs)."""
     path, port = write_profile(base, workdir, metrics=True)
     raw = yaml.safe_load(path.read_text())
-    urls = [f"http://127.0.0.1:{raw[stage]['metrics_port']}/metrics" for stage in ("encoder", "dit", "vae")]
+    urls = [f"http://127.0.0.1:{raw[stage]['metrics_port']}/metrics" for stage in STAGES]
     # every client comes from 127.0.0.1 here: the per-address limits would be what is measured
     raw["gateway"]["auth"] = {"max_connections_per_address": 1024, "starts_per_minute_per_address": 100_000}
     path.write_text(yaml.safe_dump(raw))
