@@ -127,19 +127,21 @@ def test_a_fresh_job_trains_every_stage_in_order_and_returns_every_result(tmp_pa
 
 def test_a_recipe_pinned_in_steps_ends_the_base_and_the_student_at_those_steps_and_serves_from_its_step(tmp_path):
     calls, _, log = _run(tmp_path, "pinned", BASE_STEPS="4698", JOINT_STEPS="1607", SERVED_FROM="468",
-                         SOUND_SPREAD="48", SPREAD_REQUESTS="1")
+                         SOUND_SPREAD="48", SPREAD_REQUESTS="1", BASE_OWN_LOSS_ONLY="1")
     by_step = dict(zip(_steps(calls), calls))
     assert by_step["dit"]["opts"]["--max-steps"] == "4698"
     assert by_step["student"]["opts"]["--max-steps"] == "1607"
     assert by_step["student"]["opts"]["--served-from"] == "468"
     assert by_step["student"]["opts"]["--sound-spread"] == "48"
     assert by_step["student"]["opts"]["--spread-requests"] == "1"
+    assert by_step["student"]["opts"]["--base-own-loss-only"] is True
     assert "job exit 0" in log
     calls, _, _ = _run(tmp_path, "unpinned")
     assert not any("--max-steps" in c["opts"] for c in calls)  # by minutes alone
     student_opts = dict(zip(_steps(calls), calls))["student"]["opts"]
     assert (student_opts["--served-from"], student_opts["--sound-spread"], student_opts["--spread-requests"]) == (
         "0", "0", "2")
+    assert "--base-own-loss-only" not in student_opts  # the student's loss trains the base part too
 
 
 def test_a_call_carrying_the_final_vaes_and_the_base_state_resumes_the_base_and_trains_no_vae(tmp_path):

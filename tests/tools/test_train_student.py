@@ -504,6 +504,37 @@ def test_a_resume_with_another_sound_spread_is_refused_and_a_state_from_before_t
 
 
 @pytest.mark.slow
+def test_a_base_part_kept_to_its_own_loss_learns_nothing_from_the_students_video(trainer_inputs, tmp_path):
+    """With `student_reaches_base=False` the base weights learn from the base's own objective alone: with only audio
+    teacher documents there, the video-only weights (patch projection, video output) stay as they were, where the
+    student's video loss moves them when it reaches the base."""
+    from dataclasses import replace
+
+    from services.dit.model.checkpoint import load_dit
+
+    base_dir, cond = trainer_inputs
+    cfg = student.StudentRunConfig(rank=4, sessions=1, max_steps=1, distinct=1, train_base=True, base_accum=1,
+                                   warmup=1, base_lr=1e-2, teacher_docs=1.0, openings=0.0)
+    before = dict(load_dit(base_dir, PRESETS["tiny"], "cpu", torch.float32).named_parameters())
+    video_only = ("video_patch_proj.weight", "final_layer.video_out.weight")
+
+    def moved(config, name):
+        state, _ = student.train(config, base_dir, cond, tmp_path / name)
+        after = dict(state.model.named_parameters())
+        return [n for n in video_only if not torch.equal(after[n], before[n])]
+
+    assert moved(cfg, "reaches") == list(video_only)
+    assert moved(replace(cfg, student_reaches_base=False), "kept") == []
+
+
+def test_the_base_own_loss_only_needs_the_base_trained(capsys):
+    with pytest.raises(SystemExit):
+        student.main(["--base", "b", "--state", "s", "--vae-root", "v", "--encoder-root", "e",
+                      "--base-own-loss-only"])
+    assert "--base-own-loss-only needs --train-base" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_a_student_resumed_from_its_saved_state_trains_on_as_one_that_never_stopped(trainer_inputs, tmp_path):
     """A run that spans device calls (`run_from_scratch_gpu.sh`, FROM=) must train the model that one unbroken
     process would: every draw (the noise, the self-rollouts, the served history's commits and sink gaps) goes on

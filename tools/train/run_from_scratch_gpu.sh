@@ -33,7 +33,8 @@
 # units, 40 a second, by which the student's sink moves back, as later requests see it; 0: never), SERVED_FROM (the
 # student's step from which SELF_COMMIT and SINK_GAP apply; default 0), SOUND_SPREAD (px: the deviation of how far
 # each student session's sound stands to the side of its picture; default 0), SPREAD_REQUESTS (how many of a
-# session's requests, from the first, have their sound set aside; default 2, both), JOINT_DISTINCT
+# session's requests, from the first, have their sound set aside; default 2, both), BASE_OWN_LOSS_ONLY (1: the
+# student's loss trains its LoRA only, its base part learning from the base's own objective alone), JOINT_DISTINCT
 # (the student trains on that many sessions, each encoded once and kept on the GPU, and its base part on as many
 # seeds; unset: every session new, encoded at every step), BASE_STEPS and JOINT_STEPS (the base and the student end
 # at that step, or at their minutes if those come first: a recipe pinned in steps, the minutes set high, trains
@@ -109,12 +110,14 @@ job() {
     stage "3 joint student"
     local sessions=()
     [ -n "${JOINT_DISTINCT:-}" ] && sessions=(--distinct "$JOINT_DISTINCT")
+    local base_part=()
+    [ "${BASE_OWN_LOSS_ONLY:-0}" = 1 ] && base_part=(--base-own-loss-only)
     "$PY" -m tools.train.student --base "$W/export/base_stage2/FL2VA/transformer" --vae-root "$vae_root" \
         --encoder-root "$ENCODER_ROOT" --state "$W/state/joint" --minutes "${JOINT_MIN:-8.5}" \
         --sessions "${SESSIONS:-8}" --switch "${SWITCH:-0.35}" \
         --first-phase-weight "${FIRST_WEIGHT:-1}" --self-commit "${SELF_COMMIT:-0}" \
         --sink-gap "${SINK_GAP:-0}" --served-from "${SERVED_FROM:-0}" --sound-spread "${SOUND_SPREAD:-0}" \
-        --spread-requests "${SPREAD_REQUESTS:-2}" --lr "${LR:-1e-3}" \
+        --spread-requests "${SPREAD_REQUESTS:-2}" "${base_part[@]}" --lr "${LR:-1e-3}" \
         --workers "${JOINT_WORKERS:-10}" \
         --log-every 5 --save-every 25 --train-base --openings "${JOINT_OPENINGS:-0.75}" --export "$W/export/lora" \
         --export-base "$W/export/base" "${sessions[@]}" ${JOINT_STEPS:+--max-steps "$JOINT_STEPS"} \

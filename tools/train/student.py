@@ -332,8 +332,12 @@ class StudentRunConfig:
     workers: int = 0
     seed: int = 0
     train_base: bool = False
-    """Train the base weights too (see the module docstring): its own objective with the LoRA off, and the
-    student's through the LoRA-on forwards."""
+    """Train the base weights too (see the module docstring): its own objective with the LoRA off, and, with
+    `student_reaches_base`, the student's through the LoRA-on forwards."""
+    student_reaches_base: bool = True
+    """With `train_base`, the student's loss trains the base weights as well as the LoRA. False: the LoRA only, the
+    base by its own objective alone, so the audio teacher (the base, LoRA off) stays what that objective makes it
+    (docs/training.md, "Run F at 3,214": the student's gradient made a session's sound walk twice as far)."""
     base_lr: float = 3e-4
     base_accum: int = 4
     """Base examples (clips and audio teacher documents, `tools.train.dit`) per step with `train_base`."""
@@ -396,8 +400,9 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
     state = TrainState(model, EMA(model, cfg.ema_decay), optimizer, generators={"student": generator})
     torch.manual_seed(cfg.seed)
     state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions, train_base=cfg.train_base,
-                                      sound_spread=cfg.sound_spread, spread_requests=cfg.spread_requests),
-               before=dict(sound_spread=0.0, spread_requests=REQUESTS))
+                                      sound_spread=cfg.sound_spread, spread_requests=cfg.spread_requests,
+                                      student_reaches_base=cfg.student_reaches_base),
+               before=dict(sound_spread=0.0, spread_requests=REQUESTS, student_reaches_base=True))
     state_dir.mkdir(parents=True, exist_ok=True)
     loader = dict(batch_size=None, num_workers=cfg.workers, pin_memory=device.type == "cuda",
                   prefetch_factor=4 if cfg.workers else None)
@@ -427,6 +432,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                 group["lr"] = group["peak"] * min(1.0, (state.step + 1) / cfg.warmup)
             clock = StepClock(device, on=(state.step + 1) % cfg.log_every == 0)
             optimizer.zero_grad(set_to_none=True)
+            set_trainable(model, cfg.train_base and cfg.student_reaches_base)
             batch = SessionBatch([inputs.next() for _ in range(cfg.sessions)], device)
             rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
             own, gaps = served_history(cfg, state.step, generator)
@@ -508,6 +514,9 @@ def main(argv: list[str] | None = None) -> None:
         kind = float if isinstance(value, float) else int
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
     parser.add_argument("--train-base", action="store_true", help="train the base weights too")
+    parser.add_argument("--base-own-loss-only", action="store_true",
+                        help="with --train-base: the base weights learn from their own objective only, the "
+                             "student's loss reaching the LoRA alone (the audio teacher kept the base's)")
     parser.add_argument("--export", type=Path, help="write the EMA's LoRA here at the end")
     parser.add_argument("--export-base", type=Path,
                         help="with --train-base: write the EMA's base weights here (a FL2VA/transformer directory)")
@@ -521,6 +530,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.export_base is not None and not args.train_base:
         parser.error("--export-base needs --train-base")
+    if args.base_own_loss_only and not args.train_base:
+        parser.error("--base-own-loss-only needs --train-base (without it the base is frozen)")
     if args.vae_root is None or args.encoder_root is None:
         parser.error("training needs --vae-root and --encoder-root")
     if not 1 <= args.spread_requests <= REQUESTS:
@@ -535,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,
                            base_lr=args.base_lr, base_accum=args.base_accum, teacher_docs=args.teacher_docs,
-                           openings=args.openings)
+                           openings=args.openings, student_reaches_base=not args.base_own_loss_only)
     cond = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), SESSION_FRAMES,
                        cache=args.distinct is not None)
     state, adapter = train(cfg, args.base, cond, args.state)
