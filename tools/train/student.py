@@ -336,8 +336,8 @@ class StudentRunConfig:
     `student_reaches_base`, the student's through the LoRA-on forwards."""
     student_reaches_base: bool = True
     """With `train_base`, the student's loss trains the base weights as well as the LoRA. False: the LoRA only, the
-    base by its own objective alone, so the audio teacher (the base, LoRA off) stays what that objective makes it
-    (docs/training.md, "Run F at 3,214": the student's gradient made a session's sound walk twice as far)."""
+    base by its own objective alone, so the audio teacher (the base, LoRA off) learns from nothing but what asks of
+    it (docs/training.md, "Run F at 3,214": the teacher's walk moved with the student's steps, not one way)."""
     base_lr: float = 3e-4
     base_accum: int = 4
     """Base examples (clips and audio teacher documents, `tools.train.dit`) per step with `train_base`."""
