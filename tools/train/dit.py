@@ -141,7 +141,7 @@ def _render_clip(seed: int, scene: world.Scene, start: int, frames: int) -> Clip
     return Clip(seed, scene.caption, torch.from_numpy(np.ascontiguousarray(video)), torch.from_numpy(wave))
 
 
-def _render_teacher(seed: int, scene: world.Scene, start: int, request_index: int,
+def render_teacher(seed: int, scene: world.Scene, start: int, request_index: int,
                     switched: world.Scene | None = None) -> TeacherClip:
     """The scene's audio from its start frame as a session's request `request_index` meets it: its tail latents and
     its new ones (every window of the world is closed-form, so a later request is a later start). After a switch
@@ -177,8 +177,8 @@ def render_example(seed: int, frames: int = REQUEST_FRAMES, teacher_docs: float 
     grammar = _opening_grammar(seed, openings)
     if request is not None:
         if request == 0 and grammar is not None:
-            return replace(_render_teacher(seed, world.opening_scene(*grammar), 0, 0), opening=True)
-        return _render_teacher(seed, scene, start, request, switched)
+            return replace(render_teacher(seed, world.opening_scene(*grammar), 0, 0), opening=True)
+        return render_teacher(seed, scene, start, request, switched)
     if grammar is not None:
         return replace(_render_clip(seed, world.opening_scene(*grammar), 0, frames), opening=True)
     return _render_clip(seed, scene, start, frames)
@@ -210,7 +210,7 @@ def render_clip(seed: int, frames: int = REQUEST_FRAMES) -> Clip:
 def render_teacher_clip(seed: int, request_index: int) -> TeacherClip:
     """Request `request_index`'s audio teacher document of world seed `seed`'s scene from its start frame."""
     scene, start, _, _ = _draw(seed, 0.0)
-    return _render_teacher(seed, scene, start, request_index)
+    return render_teacher(seed, scene, start, request_index)
 
 
 def encoded_before(i: int, distinct: int | None, encoded_after: int | None) -> bool:

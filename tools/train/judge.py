@@ -230,10 +230,10 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
         print(f"meaning seed {seed}: the {after[0]} after the update in {right}/{n} phases, its |R-L| at most "
               f"{update_db:.1f} dB, in request {update_request}; held |R-L| at most {db:.1f} dB, in request "
               f"{request}", flush=True)
-    worst = teacher_probe.worst_seconds(teacher_probe.probe(teacher_probe.Probe(tree), "red", [world.WIDTH / 2],
-                                                            list(TEACHER_SEEDS), HELD_REQUESTS, 1.0), world.WIDTH / 2)
-    walk = teacher_walk(worst)
-    print(f"the sound's walk over {len(worst)} independent seeds: worst second {walk['worst_mean']:.2f} dB on the "
+    centre = world.WIDTH / 2
+    rows = teacher_probe.probe(teacher_probe.Probe(tree), "red", [centre], list(TEACHER_SEEDS), HELD_REQUESTS, 1.0)
+    walk = teacher_walk(teacher_probe.worst_seconds(rows, centre))
+    print(f"the sound's walk over {walk['seeds']} independent seeds: worst second {walk['worst_mean']:.2f} dB on the "
           f"mean, over {HELD_BALANCE_LIMIT:g} dB at {walk['over']} seeds", flush=True)
     return dict(pairs=pairs, speeds=speeds, balance=balance, place=place, meaning_seeds=seeds, teacher=walk,
                 totals=totals(pairs))
@@ -242,7 +242,7 @@ def judge(tree: pathlib.Path, log_dir: pathlib.Path) -> dict:
 def teacher_walk(worst: list[float]) -> dict:
     """The sound's walk from each seed's worst second off the world's balance (dB): their mean, how many pass
     HELD_BALANCE_LIMIT, and how many seeds."""
-    return dict(worst_mean=float(np.mean(worst)), over=sum(w > HELD_BALANCE_LIMIT for w in worst), seeds=len(worst))
+    return teacher_probe.walk_of(worst, HELD_BALANCE_LIMIT)
 
 
 def totals(pairs: list[dict]) -> dict:

@@ -360,7 +360,7 @@ def is_lora(name: str) -> bool:
 
 def set_trainable(model: DiT, train_base: bool) -> None:
     """The LoRA factors trainable, and the base weights when `train_base` (the adapter's on/off switch freezes its
-    layers, so this runs again after every LoRA-off forward)."""
+    layers, so this runs again before every student forward)."""
     for name, p in model.named_parameters():
         p.requires_grad_(is_lora(name) or train_base)
 
@@ -448,7 +448,6 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                     base_loss, parts = document_losses(model, docs)
                     base_loss.backward()
                     base_window.extend(parts)
-                set_trainable(model, True)
                 clock.mark("base")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(groups[0]["params"], 1.0))
             for group in groups[1:]:  # the base's gradients are clipped on their own scale

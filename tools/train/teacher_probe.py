@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +40,9 @@ from services.dit.stream.runtime import request_noise
 from services.dit.stream.session import CancelToken
 from services.dit.stream.teacher import AudioTeacher
 from services.dit.stream.timeline import Timeline
-from services.vae.checkpoint import load_audio_vae
 from services.vae.model import AudioDecoder
 from tools.train import world
-from tools.train.dit import Conditioner, _render_teacher
+from tools.train.dit import Conditioner, render_teacher
 from tools.train.documents import WORLD_CANVAS
 from tools.train.sample import sound_of
 
@@ -72,9 +71,7 @@ class RequestBalance:
 
 def still_scene(colour: str, place: float) -> world.Scene:
     """A still circle of the opening's size at x = `place` on black, its sound a hum."""
-    centred = world.opening_scene("circle", colour, "black", "still")
-    return world.Scene(centred.shape, centred.colour, centred.background, centred.motion, centred.size, place,
-                       centred.y0)
+    return replace(world.opening_scene("circle", colour, "black", "still"), x0=place)
 
 
 class Probe:
@@ -86,13 +83,13 @@ class Probe:
         model = load_dit(base / "FL2VA" / "transformer", PRESETS["tiny"], cpu, torch.float32).eval()
         self.teacher = AudioTeacher(model, None)
         self.conditioner = Conditioner(vae_root or base, base, cpu)
-        self.decoder = AudioDecoder(load_audio_vae(vae_root or base, cpu))
+        self.decoder = AudioDecoder(self.conditioner.audio_vae)
         self.timeline = Timeline(WORLD_CANVAS, 0.0)
 
     def world_latents(self, scene: world.Scene, request: int) -> tuple[torch.Tensor, float]:
         """The world's `[2, n_tail + A, 32]` latents of request `request`'s teacher document (no tail at request 0),
         and its balance."""
-        clip = _render_teacher(0, scene, 0, request)
+        clip = render_teacher(0, scene, 0, request)
         _, balance = sound_of(clip.wave.numpy(), world.SAMPLE_RATE)
         return self.conditioner.encode_wave(clip.wave), balance
 
@@ -148,12 +145,17 @@ def summary(rows: list[RequestBalance], over_db: float = 6.0) -> list[str]:
         lean = [r.lean_db for r in here if r.way == "world"]
         walk = [spread([r.lean_db for r in here if r.way == "own" and r.request == k])
                 for k in sorted({r.request for r in here})]
-        worst = worst_seconds(rows, place)
+        worst = walk_of(worst_seconds(rows, place), over_db)
         lines.append(f"x {place:.0f} (world {here[0].world_db:+.1f} dB): one-step lean {spread(lean)} dB; "
                      f"own-tail walk from request {min(r.request for r in here)}: " + ", ".join(walk)
-                     + f"; worst second of a session off the world's: mean {np.mean(worst):.2f} dB, over "
-                     f"{over_db:g} dB in {sum(w > over_db for w in worst)} of {len(worst)} seeds")
+                     + f"; worst second of a session off the world's: mean {worst['worst_mean']:.2f} dB, over "
+                     f"{over_db:g} dB in {worst['over']} of {worst['seeds']} seeds")
     return lines
+
+
+def walk_of(worst: list[float], over_db: float) -> dict:
+    """The walk from each seed's worst second (dB): their mean, how many pass `over_db`, and how many seeds."""
+    return dict(worst_mean=float(np.mean(worst)), over=sum(w > over_db for w in worst), seeds=len(worst))
 
 
 def worst_seconds(rows: list[RequestBalance], place: float) -> list[float]:
