@@ -145,24 +145,25 @@ def test_a_recipe_pinned_in_steps_ends_the_base_and_the_student_at_those_steps_a
     assert student_opts["--train-base"] is True and student_opts["--export-base"].endswith("export/base")
 
 
-def test_a_frozen_base_student_trains_its_lora_alone_and_returns_it_beside_stage_2s_base(tmp_path):
-    calls, out, log = _run(tmp_path, "frozen", FROZEN_BASE="1", JOINT_STEPS="3214")
+def test_a_frozen_teacher_student_trains_its_lora_and_the_video_weights_and_returns_that_base(tmp_path):
+    calls, out, log = _run(tmp_path, "frozen", FROZEN_TEACHER="1", JOINT_STEPS="3214")
     student = dict(zip(_steps(calls), calls))["student"]["opts"]
     assert "job exit 0" in log
-    assert not {"--train-base", "--export-base", "--openings", "--base-own-loss-only"} & set(student)
-    assert student["--max-steps"] == "3214" and student["--export"].endswith("export/lora")
-    with tarfile.open(out / "dit.tar") as tar:  # the LoRA belongs to the base stage 2 left, unchanged
-        assert {n.split("/")[0] for n in tar.getnames()} == {"base_stage2", "lora"}
+    assert student["--video-weights"] is True
+    assert not {"--train-base", "--openings", "--base-own-loss-only"} & set(student)
+    assert student["--max-steps"] == "3214" and student["--export-base"].endswith("export/base")
+    with tarfile.open(out / "dit.tar") as tar:
+        assert {n.split("/")[0] for n in tar.getnames()} == {"base_stage2", "base", "lora"}
 
 
 @pytest.mark.parametrize("knob", [{"BASE_OWN_LOSS_ONLY": "1"}, {"JOINT_OPENINGS": "0.5"}])
-def test_a_frozen_base_with_a_knob_of_the_base_part_is_refused_before_any_job_starts(tmp_path, knob):
+def test_a_frozen_teacher_with_a_knob_of_the_bases_own_objective_is_refused_before_any_job_starts(tmp_path, knob):
     work = tmp_path / "w"
     env = {**os.environ, "W": str(work), "ENCODER_ROOT": str(tmp_path / "enc"), "PY": str(_stand_in(tmp_path)),
-           "CALLS": str(tmp_path / "calls.jsonl"), "FROZEN_BASE": "1", **knob}
+           "CALLS": str(tmp_path / "calls.jsonl"), "FROZEN_TEACHER": "1", **knob}
     done = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert next(iter(knob)) in done.stderr and "FROZEN_BASE=1" in done.stderr
+    assert next(iter(knob)) in done.stderr and "FROZEN_TEACHER=1" in done.stderr
     assert not (work / "logs" / "job.log").exists() and not (tmp_path / "calls.jsonl").exists()
 
 

@@ -25,8 +25,8 @@
 #      decoder trains on DEC_DISTINCT windows and the base on BASE_DISTINCT seeds, each encoded once and kept on the
 #      GPU: the frozen video encoder is almost all of what either would otherwise compute at every step;
 #   3. the joint student (--train-base --openings JOINT_OPENINGS) from that base for JOINT_MIN; its LoRA and base
-#      exported to $W/export/lora and $W/export/base. With FROZEN_BASE=1 the student trains its LoRA alone on stage
-#      2's base, which stays its teacher unchanged, and exports the LoRA only (ship it with base_stage2).
+#      exported to $W/export/lora and $W/export/base. With FROZEN_TEACHER=1 the student trains its LoRA and the
+#      base's video-only weights (--video-weights): the audio teacher, which reads none of them, stays stage 2's.
 # $W/progress names the last stage begun; $W/done holds the job's exit status when it ends. Knobs: PY, BASE_LR,
 # BASE_ACCUM, LR (the student's), SESSIONS, SWITCH (the student's prompt switches, a fraction of its sessions),
 # FIRST_WEIGHT (the weight of each request's first phase in the student's loss), SELF_COMMIT (the fraction of the
@@ -35,8 +35,8 @@
 # student's step from which SELF_COMMIT and SINK_GAP apply; default 0), SOUND_SPREAD (px: the deviation of how far
 # each student session's sound stands to the side of its picture; default 0), SPREAD_REQUESTS (how many of a
 # session's requests, from the first, have their sound set aside; default 2, both), BASE_OWN_LOSS_ONLY (1: the
-# student's loss trains its LoRA only, its base part learning from the base's own objective alone), FROZEN_BASE (1:
-# no base part, above; refused with BASE_OWN_LOSS_ONLY or JOINT_OPENINGS, which only a base part uses), JOINT_DISTINCT
+# student's loss trains its LoRA only, its base part learning from the base's own objective alone), FROZEN_TEACHER (1:
+# above; refused with BASE_OWN_LOSS_ONLY or JOINT_OPENINGS, which only the base's own objective uses), JOINT_DISTINCT
 # (the student trains on that many sessions, each encoded once and kept on the GPU, and its base part on as many
 # seeds; unset: every session new, encoded at every step), BASE_STEPS and JOINT_STEPS (the base and the student end
 # at that step, or at their minutes if those come first: a recipe pinned in steps, the minutes set high, trains
@@ -112,10 +112,10 @@ job() {
     stage "3 joint student"
     local sessions=()
     [ -n "${JOINT_DISTINCT:-}" ] && sessions=(--distinct "$JOINT_DISTINCT")
-    # the base part: trained on beside the LoRA and exported with it, or (FROZEN_BASE=1) left as stage 2 made it
-    local base_part=(--train-base --openings "${JOINT_OPENINGS:-0.75}" --export-base "$W/export/base")
-    if [ "${FROZEN_BASE:-0}" = 1 ]; then
-        base_part=()
+    # the base part: trained on beside the LoRA, or (FROZEN_TEACHER=1) in its video-only weights alone
+    local base_part=(--train-base --openings "${JOINT_OPENINGS:-0.75}")
+    if [ "${FROZEN_TEACHER:-0}" = 1 ]; then
+        base_part=(--video-weights)
     elif [ "${BASE_OWN_LOSS_ONLY:-0}" = 1 ]; then
         base_part+=(--base-own-loss-only)
     fi
@@ -126,7 +126,7 @@ job() {
         --sink-gap "${SINK_GAP:-0}" --served-from "${SERVED_FROM:-0}" --sound-spread "${SOUND_SPREAD:-0}" \
         --spread-requests "${SPREAD_REQUESTS:-2}" "${base_part[@]}" --lr "${LR:-1e-3}" \
         --workers "${JOINT_WORKERS:-10}" --log-every 5 --save-every 25 --export "$W/export/lora" \
-        "${sessions[@]}" ${JOINT_STEPS:+--max-steps "$JOINT_STEPS"} \
+        --export-base "$W/export/base" "${sessions[@]}" ${JOINT_STEPS:+--max-steps "$JOINT_STEPS"} \
         > "$W/logs/joint.log" 2>&1 || { decoders; return 1; }
     decoders || return 1
     stage "done"
@@ -156,8 +156,8 @@ carry_in() {
 case $cmd in
 start)
     : "${ENCODER_ROOT:?set ENCODER_ROOT to the tiny MiniMax-H3 tree (text_encoder/, tokenizer/)}"
-    if [ "${FROZEN_BASE:-0}" = 1 ] && { [ -n "${BASE_OWN_LOSS_ONLY:-}" ] || [ -n "${JOINT_OPENINGS:-}" ]; }; then
-        echo "FROZEN_BASE=1 trains no base part in the student stage: BASE_OWN_LOSS_ONLY and JOINT_OPENINGS do not apply" >&2
+    if [ "${FROZEN_TEACHER:-0}" = 1 ] && { [ -n "${BASE_OWN_LOSS_ONLY:-}" ] || [ -n "${JOINT_OPENINGS:-}" ]; }; then
+        echo "FROZEN_TEACHER=1 trains the base's video-only weights with the student's loss, not the base's own objective: BASE_OWN_LOSS_ONLY and JOINT_OPENINGS do not apply" >&2
         exit 2
     fi
     mkdir -p "$W/logs" "$W/state" "$W/export"

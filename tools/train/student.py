@@ -29,6 +29,10 @@ what the runtime (`services.dit.stream.runtime`) asks of the student, forward fo
 - With `--sink-gap U`, each session of a step keeps its sink where it was committed with probability 1/2, else
   its sink's keys turn back a uniform 0..U time units: the distance to the sink of a served session's later requests.
 
+With `--video-weights` the base's video-only weights (`video_only_weights`: the video patch projection and output,
+each block's AdaLN rows for video) learn from the student's loss too. An audio teacher document has no video rows,
+so the audio teacher, the base with the LoRA off, stays the loaded base's to the bit (docs/training.md, "Run H").
+
 Several sessions run side by side in each forward (`--sessions`): their rows share one packed document, each
 session attending to its own rows only (in the token refiner too). Resumable like the other trainers; session i of a
 run is seed `STUDENT_SEED + i`.
@@ -50,6 +54,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from services.dit.model.checkpoint import load_dit, write_trained_checkpoint
+from services.dit.model.layout import TAG_VIDEO
 from services.dit.model.lora import AdapterSpec, LoRAAdapter, lora_targets, write_adapter
 from services.dit.model.network import PRESETS, DiT
 from services.dit.stream.geometry import PhasePlan, plan_request
@@ -338,6 +343,9 @@ class StudentRunConfig:
     """With `train_base`, the student's loss trains the base weights as well as the LoRA. False: the LoRA only, the
     base by its own objective alone, so the audio teacher (the base, LoRA off) learns from nothing but what asks of
     it (docs/training.md, "Run F at 3,214": the teacher's walk moved with the student's steps, not one way)."""
+    video_weights: bool = False
+    """Without `train_base`: the base's video-only weights (`video_only_weights`) learn from the student's loss
+    beside the LoRA, at `base_lr`; the rest of the base, all that the audio teacher reads, stays as loaded."""
     base_lr: float = 3e-4
     base_accum: int = 4
     """Base examples (clips and audio teacher documents, `tools.train.dit`) per step with `train_base`."""
@@ -347,31 +355,63 @@ class StudentRunConfig:
 
 
 def build(base: Path, device: torch.device, cfg: StudentRunConfig) -> tuple[DiT, LoRAAdapter]:
-    """The base (float32) with a trainable LoRA; the base frozen unless `cfg.train_base`."""
+    """The base (float32) with a trainable LoRA; the base frozen unless `cfg.train_base`, but for its video-only
+    weights with `cfg.video_weights`."""
     model = load_dit(base, PRESETS["tiny"], device, torch.float32).requires_grad_(False)
     adapter = student_adapter(model, cfg.rank, cfg.seed)
-    set_trainable(model, cfg.train_base)
+    set_trainable(model, cfg.train_base, trained_video_weights(model, cfg))
+    if cfg.video_weights:
+        params = dict(model.named_parameters())
+        for name, rows in video_only_weights(model).items():
+            if rows is not None:  # the tensor's other rows modulate text and audio: their gradients dropped
+                keep = torch.zeros(params[name].shape[0], device=device)
+                keep[rows] = 1.0
+                keep = keep.view(-1, *([1] * (params[name].dim() - 1)))
+                params[name].register_hook(lambda grad, keep=keep: grad * keep)
     return model, adapter
+
+
+VIDEO_ONLY = ("video_patch_proj.weight", "video_patch_proj.bias", "final_layer.video_out.weight",
+              "final_layer.video_out.bias")
+
+
+def video_only_weights(model: DiT) -> dict[str, slice | None]:
+    """The base's weights that only video rows read, name -> the rows of the tensor (None: all of it): the video
+    patch projection and output, and in each block the AdaLN projection's rows for the video tag (its output is
+    [modality, 6, hidden] a timestep, picked by `PackedLayout.adaln_rows`). An audio teacher document has no video
+    rows, so these can learn while the audio teacher (the base, LoRA off) stays the base's to the bit."""
+    width = 6 * model.args.hidden_size
+    rows = slice(TAG_VIDEO * width, (TAG_VIDEO + 1) * width)
+    weights: dict[str, slice | None] = dict.fromkeys(VIDEO_ONLY)
+    for i in range(model.args.num_layers):
+        weights[f"blocks.{i}.adaln_proj.linear.weight"] = weights[f"blocks.{i}.adaln_proj.linear.bias"] = rows
+    return weights
+
+
+def trained_video_weights(model: DiT, cfg: StudentRunConfig) -> frozenset[str]:
+    """The names of the video-only weights that train with the student's loss (none unless `cfg.video_weights`)."""
+    return frozenset(video_only_weights(model)) if cfg.video_weights else frozenset()
 
 
 def is_lora(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def set_trainable(model: DiT, train_base: bool) -> None:
-    """The LoRA factors trainable, and the base weights when `train_base` (the adapter's on/off switch freezes its
-    layers, so this runs again before every student forward)."""
+def set_trainable(model: DiT, train_base: bool, video: frozenset[str] = frozenset()) -> None:
+    """The LoRA factors trainable, and the base weights when `train_base`, else those named in `video` (the
+    adapter's on/off switch freezes its layers, so this runs again before every student forward)."""
     for name, p in model.named_parameters():
-        p.requires_grad_(is_lora(name) or train_base)
+        p.requires_grad_(is_lora(name) or train_base or name in video)
 
 
 def param_groups(model: DiT, cfg: StudentRunConfig) -> list[dict]:
-    """The optimizer's groups: the LoRA factors at `cfg.lr`, then (with `train_base`) the base's own at
-    `cfg.base_lr`; `peak` is each group's rate after the warm-up."""
+    """The optimizer's groups: the LoRA factors at `cfg.lr`, then (with `train_base`) the base's own, or (with
+    `video_weights`) its video-only ones, at `cfg.base_lr`; `peak` is each group's rate after the warm-up."""
     lora = [p for n, p in model.named_parameters() if is_lora(n)]
     groups = [dict(params=lora, lr=cfg.lr, peak=cfg.lr)]
-    if cfg.train_base:
-        own = [p for n, p in model.named_parameters() if not is_lora(n)]
+    video = trained_video_weights(model, cfg)
+    if cfg.train_base or video:
+        own = [p for n, p in model.named_parameters() if not is_lora(n) and (cfg.train_base or n in video)]
         groups.append(dict(params=own, lr=cfg.base_lr, peak=cfg.base_lr))
     return groups
 
@@ -401,8 +441,10 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
     torch.manual_seed(cfg.seed)
     state.load(state_dir, expect=dict(rank=cfg.rank, sessions=cfg.sessions, train_base=cfg.train_base,
                                       sound_spread=cfg.sound_spread, spread_requests=cfg.spread_requests,
-                                      student_reaches_base=cfg.student_reaches_base),
-               before=dict(sound_spread=0.0, spread_requests=REQUESTS, student_reaches_base=True))
+                                      student_reaches_base=cfg.student_reaches_base,
+                                      video_weights=cfg.video_weights),
+               before=dict(sound_spread=0.0, spread_requests=REQUESTS, student_reaches_base=True,
+                           video_weights=False))
     state_dir.mkdir(parents=True, exist_ok=True)
     loader = dict(batch_size=None, num_workers=cfg.workers, pin_memory=device.type == "cuda",
                   prefetch_factor=4 if cfg.workers else None)
@@ -416,6 +458,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                                  sampler=IndexRange(first_base), generator=torch.Generator(),
                                  **loader)) if cfg.train_base else None
     started, seconds_before, window, base_window = time.monotonic(), state.seconds, [], []
+    video = trained_video_weights(model, cfg)
 
     def encoded():
         """Each step's sessions, then its base examples, encoded one by one (the bank and the base's cache fill from
@@ -432,7 +475,7 @@ def train(cfg: StudentRunConfig, base: Path, cond: Conditioner, state_dir: Path)
                 group["lr"] = group["peak"] * min(1.0, (state.step + 1) / cfg.warmup)
             clock = StepClock(device, on=(state.step + 1) % cfg.log_every == 0)
             optimizer.zero_grad(set_to_none=True)
-            set_trainable(model, cfg.train_base and cfg.student_reaches_base)
+            set_trainable(model, cfg.train_base and cfg.student_reaches_base, video)
             batch = SessionBatch([inputs.next() for _ in range(cfg.sessions)], device)
             rollout = bool(torch.rand((), generator=generator) < cfg.self_rollout)
             own, gaps = served_history(cfg, state.step, generator)
@@ -488,12 +531,16 @@ def export(state: TrainState, adapter: LoRAAdapter, out: Path, base_out: Path | 
     return write_adapter(adapter_spec(adapter, state.ema.shadow), out)
 
 
-def export_saved(state_dir: Path, base: Path, out: Path, rank: int, base_out: Path | None = None) -> Path:
-    """`export` of the state saved in `state_dir`, without training (`base_out`: a `--train-base` state's base)."""
-    cfg = StudentRunConfig(rank=rank, train_base=base_out is not None)
+def export_saved(state_dir: Path, base: Path, out: Path, rank: int, base_out: Path | None = None,
+                 video_weights: bool = False) -> Path:
+    """`export` of the state saved in `state_dir`, without training (`base_out`: the base of a `--train-base` or,
+    with `video_weights`, a `--video-weights` state)."""
+    cfg = StudentRunConfig(rank=rank, train_base=base_out is not None and not video_weights,
+                           video_weights=video_weights)
     model, adapter = build(base, torch.device("cpu"), cfg)
     state = TrainState(model, EMA(model, 0.0), torch.optim.AdamW(param_groups(model, cfg)))
-    if state.load(state_dir, expect=dict(rank=rank, train_base=cfg.train_base)) is None:
+    if state.load(state_dir, expect=dict(rank=rank, train_base=cfg.train_base, video_weights=video_weights),
+                  before=dict(video_weights=False)) is None:
         raise FileNotFoundError(f"no saved state in {state_dir}")
     return export(state, adapter, out, base_out)
 
@@ -516,19 +563,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-own-loss-only", action="store_true",
                         help="with --train-base: the base weights learn from their own objective only, the "
                              "student's loss reaching the LoRA alone (the audio teacher kept the base's)")
+    parser.add_argument("--video-weights", action="store_true",
+                        help="train the base's video-only weights with the student's loss, the rest of the base "
+                             "(all the audio teacher reads) frozen")
     parser.add_argument("--export", type=Path, help="write the EMA's LoRA here at the end")
     parser.add_argument("--export-base", type=Path,
-                        help="with --train-base: write the EMA's base weights here (a FL2VA/transformer directory)")
+                        help="with --train-base or --video-weights: write the EMA's base weights here (a "
+                             "FL2VA/transformer directory)")
     parser.add_argument("--export-only", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.export_only:
         if args.export is None:
             parser.error("--export-only needs --export")
-        export_saved(args.state, args.base, args.export, args.rank, args.export_base)
+        export_saved(args.state, args.base, args.export, args.rank, args.export_base, args.video_weights)
         return
-    if args.export_base is not None and not args.train_base:
-        parser.error("--export-base needs --train-base")
+    if args.train_base and args.video_weights:
+        parser.error("--video-weights trains part of the base, --train-base all of it: choose one")
+    if args.export_base is not None and not (args.train_base or args.video_weights):
+        parser.error("--export-base needs --train-base or --video-weights (else the base is the one loaded)")
     if args.base_own_loss_only and not args.train_base:
         parser.error("--base-own-loss-only needs --train-base (without it the base is frozen)")
     if args.vae_root is None or args.encoder_root is None:
@@ -545,7 +598,8 @@ def main(argv: list[str] | None = None) -> None:
                            max_steps=args.max_steps, save_every=args.save_every, log_every=args.log_every,
                            distinct=args.distinct, workers=args.workers, train_base=args.train_base,
                            base_lr=args.base_lr, base_accum=args.base_accum, teacher_docs=args.teacher_docs,
-                           openings=args.openings, student_reaches_base=not args.base_own_loss_only)
+                           openings=args.openings, student_reaches_base=not args.base_own_loss_only,
+                           video_weights=args.video_weights)
     cond = Conditioner(args.vae_root, args.encoder_root, torch.device(args.device), SESSION_FRAMES,
                        cache=args.distinct is not None)
     state, adapter = train(cfg, args.base, cond, args.state)
