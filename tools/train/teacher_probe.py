@@ -93,13 +93,12 @@ class Probe:
         _, balance = sound_of(clip.wave.numpy(), world.SAMPLE_RATE)
         return self.conditioner.encode_wave(clip.wave), balance
 
-    def request(self, caption: str, request: int, tail: torch.Tensor | None, seed: int) -> torch.Tensor:
-        """The teacher's clean `[2, A, 32]` latents of request `request` after `tail` `[2, 40, 32]` (None: request 0),
-        from the noise of a served session at `seed` (`noise`: `[2, A, 32]`)."""
+    def request(self, text: torch.Tensor, request: int, tail: torch.Tensor | None, seed: int) -> torch.Tensor:
+        """The teacher's clean `[2, A, 32]` latents of request `request` for the encoded caption `text`, after
+        `tail` `[2, 40, 32]` (None: request 0), from the noise of a served session at `seed` (`noise`: `[2, A, 32]`)."""
         plan = plan_request(request)
         model = self.teacher.model
         _, noise = request_noise(seed, plan, WORLD_CANVAS, model.args.video_channels, model.args.audio_channels)
-        text = self.conditioner.encode_caption(caption)
         return self.teacher.run(text, plan, self.timeline, noise, tail, CancelToken())[-1]
 
     def balances(self, latents: torch.Tensor, seconds: float) -> tuple[list[float], float]:
@@ -115,14 +114,16 @@ def probe(p: Probe, colour: str, places: list[float], seeds: list[int], requests
     rows: list[RequestBalance] = []
     for place in places:
         scene = still_scene(colour, place)
+        text = p.conditioner.encode_caption(scene.caption)
+        # the world's latents of each request, the same at every seed: [2, n_tail + A, 32] and the balance
+        worlds = {k: p.world_latents(scene, k) for k in range(0 if place == world.WIDTH / 2 else 1, requests + 1)}
         for seed in seeds:
             own: torch.Tensor | None = None
-            for k in range(0 if place == world.WIDTH / 2 else 1, requests + 1):
-                latents, world_db = p.world_latents(scene, k)  # [2, n_tail + A, 32]
+            for k, (latents, world_db) in worlds.items():
                 true_tail = latents[:, :TEACHER_TAIL_LATENTS]
                 tails = {"own": None} if k == 0 else {"world": true_tail, "own": true_tail if own is None else own}
                 for way, tail in tails.items():
-                    new = p.request(scene.caption, k, tail, seed)  # [2, A, 32]
+                    new = p.request(text, k, tail, seed)  # [2, A, 32]
                     parts, whole = p.balances(new, seconds)
                     rows.append(RequestBalance(place, seed, k, way, world_db, parts, whole))
                     log.info("x %.0f seed %d request %d %s tail: %+.2f dB (world %+.2f)", place, seed, k, way,
