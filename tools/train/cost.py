@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from services.dit.model.network import PRESETS, build_random
-from tools.train import session_batch, student, vae, world
+from tools.train import session_batch, student, student_weights, vae, world
 from tools.train.dit import REQUEST_FRAMES, audio_latents
 from tools.train.documents import Example, TeacherExample, document, document_losses, tail_latents, teacher_layout
 
@@ -109,7 +109,7 @@ def measure(student_sessions: int = 2) -> dict[str, float]:
                                       torch.randn(72, 24, 12, 20, generator=gen),
                                       torch.randn(2, 405, 32, generator=gen))
                 for _ in range(student_sessions)]
-    student.student_adapter(model, rank=32, seed=0)
+    student_weights.student_adapter(model, rank=32, seed=0)
     with _Ops() as ops:
         loss = student.session_loss(model, session_batch.SessionBatch(sessions, torch.device("cpu")),
                                     torch.Generator().manual_seed(0), self_rollout=False)

@@ -29,9 +29,10 @@ what the runtime (`services.dit.stream.runtime`) asks of the student, forward fo
 - With `--sink-gap U`, each session of a step keeps its sink where it was committed with probability 1/2, else
   its sink's keys turn back a uniform 0..U time units: the distance to the sink of a served session's later requests.
 
-With `--video-weights` the base's video-only weights (`video_only_weights`: the video patch projection and output,
-each block's AdaLN rows for video) learn from the student's loss too. An audio teacher document has no video rows,
-so the audio teacher, the base with the LoRA off, stays the loaded base's to the bit (docs/training.md, "Run H").
+With `--video-weights` the base's video-only weights (`student_weights.video_only_weights`: the video patch
+projection and output, each block's AdaLN rows for video) learn from the student's loss too. An audio teacher
+document has no video rows, so the audio teacher, the base with the LoRA off, stays the loaded base's to the bit
+(docs/training.md, "Run H").
 
 Several sessions run side by side in each forward (`--sessions`): their rows share one packed document, each
 session attending to its own rows only (in the token refiner too). Resumable like the other trainers; session i of a
@@ -54,8 +55,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from services.dit.model.checkpoint import load_dit, write_trained_checkpoint
-from services.dit.model.layout import TAG_VIDEO
-from services.dit.model.lora import AdapterSpec, LoRAAdapter, lora_targets, write_adapter
+from services.dit.model.lora import LoRAAdapter, write_adapter
 from services.dit.model.network import PRESETS, DiT
 from services.dit.stream.geometry import PhasePlan, plan_request
 from services.dit.stream.runtime import renormalise
@@ -65,6 +65,8 @@ from tools.train.ahead import Ahead
 from tools.train.dit import REQUEST_FRAMES, Clips, Conditioner, encoded_before
 from tools.train.documents import document, document_losses, window_means
 from tools.train.session_batch import Session, SessionBatch, forward, retained
+from tools.train.student_weights import (adapter_spec, base_weights, hold_shared_rows, is_lora, set_trainable,
+                                         student_adapter, video_only_weights)
 from tools.train.train_state import EMA, StepClock, TrainState, run_over
 from tools.train.vae import HOP, IndexRange
 
@@ -277,30 +279,6 @@ def own_commit(batch: SessionBatch, ph: PhasePlan, x: torch.Tensor,
     return torch.stack(rows).detach()
 
 
-def student_adapter(model: DiT, rank: int, seed: int) -> LoRAAdapter:
-    """A fresh LoRA on every target of `model`, trainable: A random, B zero (so it starts as the base model)."""
-    gen = torch.Generator().manual_seed(seed)
-    factors = {t: (torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in), torch.zeros(fan_out, rank))
-               for t, (fan_in, fan_out) in lora_targets(model.args).items()}
-    adapter = LoRAAdapter(model, AdapterSpec(rank, float(rank), factors), dtype=torch.float32)
-    for layer in adapter.layers.values():
-        for mod in layer.lora_A.values():
-            mod.requires_grad_(True)
-        for mod in layer.lora_B.values():
-            mod.requires_grad_(True)
-    return adapter
-
-
-def adapter_spec(adapter: LoRAAdapter, weights: dict[str, torch.Tensor]) -> AdapterSpec:
-    """The adapter's factors as held in `weights` (a state dict of the model, e.g. the EMA's)."""
-    factors = {}
-    for target in adapter.layers:
-        a = weights[f"{target}.lora_A.taomate.weight"].float().cpu()
-        b = weights[f"{target}.lora_B.taomate.weight"].float().cpu()
-        factors[target] = (a.contiguous(), b.contiguous())
-    return AdapterSpec(adapter.spec.rank, adapter.spec.alpha, factors)
-
-
 @dataclass(frozen=True)
 class StudentRunConfig:
     rank: int = 32
@@ -361,47 +339,13 @@ def build(base: Path, device: torch.device, cfg: StudentRunConfig) -> tuple[DiT,
     adapter = student_adapter(model, cfg.rank, cfg.seed)
     set_trainable(model, cfg.train_base, trained_video_weights(model, cfg))
     if cfg.video_weights:
-        params = dict(model.named_parameters())
-        for name, rows in video_only_weights(model).items():
-            if rows is not None:  # the tensor's other rows modulate text and audio: their gradients dropped
-                keep = torch.zeros(params[name].shape[0], device=device)
-                keep[rows] = 1.0
-                keep = keep.view(-1, *([1] * (params[name].dim() - 1)))
-                params[name].register_hook(lambda grad, keep=keep: grad * keep)
+        hold_shared_rows(model)
     return model, adapter
-
-
-VIDEO_ONLY = ("video_patch_proj.weight", "video_patch_proj.bias", "final_layer.video_out.weight",
-              "final_layer.video_out.bias")
-
-
-def video_only_weights(model: DiT) -> dict[str, slice | None]:
-    """The base's weights that only video rows read, name -> the rows of the tensor (None: all of it): the video
-    patch projection and output, and in each block the AdaLN projection's rows for the video tag (its output is
-    [modality, 6, hidden] a timestep, picked by `PackedLayout.adaln_rows`). An audio teacher document has no video
-    rows, so these can learn while the audio teacher (the base, LoRA off) stays the base's to the bit."""
-    width = 6 * model.args.hidden_size
-    rows = slice(TAG_VIDEO * width, (TAG_VIDEO + 1) * width)
-    weights: dict[str, slice | None] = dict.fromkeys(VIDEO_ONLY)
-    for i in range(model.args.num_layers):
-        weights[f"blocks.{i}.adaln_proj.linear.weight"] = weights[f"blocks.{i}.adaln_proj.linear.bias"] = rows
-    return weights
 
 
 def trained_video_weights(model: DiT, cfg: StudentRunConfig) -> frozenset[str]:
     """The names of the video-only weights that train with the student's loss (none unless `cfg.video_weights`)."""
     return frozenset(video_only_weights(model)) if cfg.video_weights else frozenset()
-
-
-def is_lora(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
-
-
-def set_trainable(model: DiT, train_base: bool, video: frozenset[str] = frozenset()) -> None:
-    """The LoRA factors trainable, and the base weights when `train_base`, else those named in `video` (the
-    adapter's on/off switch freezes its layers, so this runs again before every student forward)."""
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_lora(name) or train_base or name in video)
 
 
 def param_groups(model: DiT, cfg: StudentRunConfig) -> list[dict]:
@@ -414,11 +358,6 @@ def param_groups(model: DiT, cfg: StudentRunConfig) -> list[dict]:
         own = [p for n, p in model.named_parameters() if not is_lora(n) and (cfg.train_base or n in video)]
         groups.append(dict(params=own, lr=cfg.base_lr, peak=cfg.base_lr))
     return groups
-
-
-def base_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's own state dict from that of the model with the LoRA installed (peft's `base_layer` names)."""
-    return {k.replace(".base_layer.", "."): v for k, v in weights.items() if not is_lora(k)}
 
 
 def steps_ahead(cfg: StudentRunConfig, caches: bool) -> int:
